@@ -1,0 +1,129 @@
+"""What the installed torch can do, found by feature, never by version number.
+
+Everything memgather needs from torch beyond the public collectives is looked up
+here once, so the rest of the package can ask a plain question ("is there a
+single-tensor all-gather?") and get an answer with its reason attached.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+_log = logging.getLogger("memgather")
+
+# Preferred first. `all_gather_into_tensor` and `_all_gather_base` emit a
+# FutureWarning on torch 2.13 where `all_gather_single` exists, so the order
+# alone keeps memgather's own calls free of deprecation warnings.
+_PRIMITIVE_NAMES = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+
+
+@dataclass(frozen=True)
+class Primitive:
+    """The single-tensor all-gather memgather calls, and why it was chosen.
+
+    ``function`` is None when this torch has none; memgather then leaves every
+    call to the original ``all_gather``.
+    """
+
+    name: Optional[str]
+    function: Optional[Callable[..., Any]]
+    reason: str
+    torch_version: str
+
+
+@lru_cache(maxsize=None)
+def single_tensor_primitive() -> Primitive:
+    """Detect the best single-tensor all-gather of this torch (cached)."""
+    version = torch.__version__
+    for position, name in enumerate(_PRIMITIVE_NAMES):
+        function = getattr(dist, name, None)
+        if callable(function):
+            skipped = ", ".join(_PRIMITIVE_NAMES[:position]) or "nothing"
+            reason = f"torch {version} has torch.distributed.{name} (absent before it: {skipped})"
+            return Primitive(name, function, reason, version)
+    reason = f"torch {version} has none of {', '.join(_PRIMITIVE_NAMES)}"
+    _log.warning("memgather is inactive: %s; every gather goes to torch's all_gather", reason)
+    return Primitive(None, None, reason, version)
+
+
+def _find_is_compiling() -> Callable[[], bool]:
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling
+    try:  # torch < 2.3
+        from torch._dynamo import is_compiling
+    except ImportError:  # torch without Dynamo: nothing is ever compiled
+        return lambda: False
+    return is_compiling
+
+
+is_compiling: Callable[[], bool] = _find_is_compiling()
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def can_prove_exclusive() -> bool:
+    """Whether this torch lets memgather prove a tensor alone holds its storage."""
+    return _use_count is not None
+
+
+def holds_storage_alone(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` is the only holder of its storage.
+
+    Two counts must both show a single holder: the C++ use count of the
+    storage (views and other tensors add to it) and the Python reference count
+    of the storage object (a caller's ``t.untyped_storage()`` kept in a
+    variable adds to it, not to the use count).
+    """
+    return _storage_counts(tensor) == _SOLE_HOLDER_COUNTS
+
+
+def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
+    # The local storage object dies on return, so it cannot keep the memory
+    # alive through a rebind.
+    storage = tensor.untyped_storage()
+    return _use_count(storage._cdata), sys.getrefcount(storage)
+
+
+# What a tensor nobody else knows reports here; calibrated rather than
+# hard-coded, since torch and CPython differ in the references they add.
+_SOLE_HOLDER_COUNTS = _storage_counts(torch.empty(1)) if _use_count is not None else (0, 0)
+
+
+def _find_increment_version() -> Callable[[torch.Tensor], None]:
+    graph = getattr(torch.autograd, "graph", None)
+    if graph is not None and hasattr(graph, "increment_version"):
+        return graph.increment_version
+    return torch._C._autograd._increment_version  # type: ignore[attr-defined]
+
+
+# The original all_gather bumps each output slot's version counter (autograd
+# uses it to detect in-place changes of saved tensors); memgather writing into
+# a view of the same memory must bump it too.
+increment_version: Callable[[torch.Tensor], None] = _find_increment_version()
+
+
+def rank_not_in_group(group: Any) -> bool:
+    """torch's own test for 'this rank is not a member of ``group``'."""
+    return dist.distributed_c10d._rank_not_in_group(group)
+
+
+def is_coalescing(group: Any) -> bool:
+    """True inside ``torch.distributed._coalescing_manager`` for ``group``."""
+    world = dist.distributed_c10d._world
+    state = getattr(world, "pg_coalesce_state", None)
+    if not state:
+        return False
+    return (group or dist.distributed_c10d._get_default_group()) in state
+
+
+def inference_mode_enabled() -> bool:
+    """Whether inference mode is active (in-place writes to inference tensors allowed)."""
+    return torch.is_inference_mode_enabled()

@@ -1,0 +1,154 @@
+"""memgather's all-gather: the per-call path, top to bottom.
+
+``all_gather`` decides whether it may act, plans a strategy from the caller's
+slots (``strategies``), agrees with the other ranks where the route needs it
+(``agreement``), lays out the output (``slots``), moves the bytes
+(``routes``) and counts what it did (``stats``). Whatever it cannot prove safe
+goes to the original ``torch.distributed.all_gather`` unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.overrides import has_torch_function
+
+from memgather import agreement, compat, config, routes, slots, stats
+from memgather.strategies import DIRECT, Plan, Reason, fallback, plan
+
+_log = logging.getLogger("memgather")
+
+# Captured before anything can patch it: memgather's fallback and its own
+# metadata exchange must never re-enter a wrapper around all_gather.
+_original_all_gather = dist.distributed_c10d.all_gather
+
+_settings = config.load()
+
+
+def original_all_gather() -> Any:
+    """The ``torch.distributed.all_gather`` memgather falls back to."""
+    return _original_all_gather
+
+
+def all_gather(
+    tensor_list: List[torch.Tensor],
+    tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    check: Optional[bool] = None,
+) -> Any:
+    """Drop-in for ``torch.distributed.all_gather``, gathering into one flat buffer.
+
+    Same arguments, results and return value as torch's ``all_gather``. When
+    the slots in ``tensor_list`` are even (each shaped, typed and placed like
+    ``tensor``) and memgather can prove it safe, they end up as adjacent views
+    of one buffer (the tensor objects are kept; only their storage changes),
+    filled by a single collective. Otherwise the original runs unchanged.
+
+    ``check`` (default: ``MEMGATHER_CHECK``) adds one small collective that
+    raises ``UnevenShapesError`` on every rank when the ranks' inputs differ
+    while the slots are even.
+    """
+    check = _settings.check if check is None else check
+    reason = _precondition(tensor, group)
+    if reason is not None:
+        return _fall_back(reason, tensor_list, tensor, group, async_op)
+    world = dist.get_world_size(group)
+    gathered = _gathered_bytes(tensor_list, world)
+    route = None
+    if gathered is not None:
+        backend = routes.backend_name(group, tensor.device)
+        route = routes.choose(backend, tensor.device, gathered, world, async_op)
+    chosen = plan(tensor_list, tensor, world, dist.get_rank(group)) if route else fallback(Reason.BACKEND)
+    if gathered is not None and (check or (route is not None and route.needs_agreement)):
+        chosen = _agree(chosen, tensor_list, tensor, world, check)
+    if not chosen.rewires:
+        return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
+    return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered)
+
+
+def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0, in rank order.
+
+    A 0-d input gives shape ``(world,)``. All ranks must pass the same shape
+    and dtype. Allocates only the result.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"memgather.gather expects a torch.Tensor, got {type(tensor).__name__}")
+    if dist.is_initialized() and compat.rank_not_in_group(group):
+        raise ValueError("memgather.gather: this rank is not a member of the given process group")
+    world = dist.get_world_size(group)
+    out = torch.empty(slots.flat_shape(tensor.shape, world), dtype=tensor.dtype, device=tensor.device)
+    all_gather(list(slots.stacked(out, world, tensor.shape).unbind(0)), tensor, group, check=check)
+    return out
+
+
+def _precondition(tensor: Any, group: Any) -> Optional[Reason]:
+    """Reasons to stay out that hold alike on every rank of the group."""
+    if not isinstance(tensor, torch.Tensor):
+        return Reason.NOT_A_TENSOR
+    if has_torch_function((tensor,)):
+        return Reason.TORCH_FUNCTION
+    if compat.is_compiling():
+        return Reason.COMPILING
+    if not dist.is_initialized():
+        return Reason.NOT_INITIALIZED
+    if compat.rank_not_in_group(group):
+        return Reason.NOT_IN_GROUP
+    if compat.is_coalescing(group):
+        return Reason.COALESCING
+    if compat.single_tensor_primitive().function is None:
+        return Reason.NO_PRIMITIVE
+    return None
+
+
+def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:
+    """Total bytes of the slots, or None unless they are a list of ``world`` tensors.
+
+    In any program that works under torch this is the same on every rank, so
+    decisions made from it cannot split the ranks.
+    """
+    if type(tensor_list) is not list or len(tensor_list) != world:
+        return None
+    total = 0
+    for slot in tensor_list:
+        if not isinstance(slot, torch.Tensor):
+            return None
+        total += slot.numel() * slot.element_size()
+    return total
+
+
+def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, world: int, check: bool) -> Plan:
+    even = all(s.shape == tensor.shape and s.dtype == tensor.dtype for s in tensor_list)
+    verdict = agreement.agree(_original_all_gather, tensor, chosen.rewires, even, world, check)
+    if verdict is None or not chosen.rewires:
+        return chosen
+    return fallback(verdict)
+
+
+def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:
+    stats.record("fallback", reason=reason.value if reason else None)
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("all_gather falls back to torch: %s", reason.value if reason else "unknown")
+    return _original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def _rewire(
+    chosen: Plan,
+    route: routes.Route,
+    tensor_list: List[torch.Tensor],
+    tensor: torch.Tensor,
+    group: Any,
+    async_op: bool,
+    gathered: int,
+) -> Any:
+    stats.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
+    flat = slots.region(tensor_list) if chosen is DIRECT else slots.rebind(tensor_list)
+    work = routes.run(route, flat, tensor, group, async_op)
+    if chosen is DIRECT:
+        slots.bump_versions(tensor_list)
+    return work

@@ -1,0 +1,75 @@
+"""The caller's output slots: viewing them as one region, or rebinding them to one.
+
+Both functions return the flat ``(world * d0, *rest)`` tensor the collective
+writes into (``(world,)`` for 0-d inputs); afterwards ``stacked(flat)[i]`` is
+exactly the memory of slot ``i``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from memgather import compat
+
+
+def flat_shape(shape: torch.Size, world: int) -> Tuple[int, ...]:
+    """Shape of the single-tensor output: ranks concatenated along dim 0."""
+    if len(shape) == 0:
+        return (world,)
+    return (world * shape[0], *shape[1:])
+
+
+def stacked(flat: torch.Tensor, world: int, shape: torch.Size) -> torch.Tensor:
+    """``flat`` seen as ``(world, *shape)``: one view per rank."""
+    return flat.view(world, *shape)
+
+
+def region(slots: List[torch.Tensor]) -> torch.Tensor:
+    """The flat tensor over the region that adjacent slots already tile."""
+    first = slots[0]
+    shape = flat_shape(first.shape, len(slots))
+    return first.as_strided(shape, _contiguous_strides(shape), first.storage_offset())
+
+
+def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
+    """Replace the slots' storages by views of one new flat buffer.
+
+    The old storages are released before the buffer is allocated, so the two
+    never exist at once. If the allocation fails, every slot gets a fresh
+    tensor of its shape back before the exception propagates.
+    """
+    first = slots[0]
+    shape, dtype, device = first.shape, first.dtype, first.device
+    for slot in slots:
+        slot.set_()  # drops the only reference to its storage: freed here
+    try:
+        flat = torch.empty(flat_shape(shape, len(slots)), dtype=dtype, device=device)
+    except BaseException:
+        _reallocate(slots, shape, dtype, device)
+        raise
+    views = stacked(flat, len(slots), shape)
+    for index, slot in enumerate(slots):
+        slot.set_(views[index])
+    return flat
+
+
+def bump_versions(slots: List[torch.Tensor]) -> None:
+    """Mark the slots as written in place, as the original all_gather does."""
+    for slot in slots:
+        compat.increment_version(slot)
+
+
+def _reallocate(slots: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+    for slot in slots:
+        slot.set_(torch.empty(shape, dtype=dtype, device=device))
+
+
+def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -1,0 +1,183 @@
+"""Which strategy a call may take, decided from its arguments alone (step 2 and 4).
+
+``plan()`` looks at the caller's slots and input on this rank and answers one of:
+
+- ``Strategy.DIRECT``: the slots already are adjacent views, in rank order, of
+  one contiguous region; gather straight into it.
+- ``Strategy.REBIND``: every slot alone holds its whole storage; release those
+  storages, gather into one new flat buffer, make the slots views of it.
+- ``Strategy.FALLBACK`` with a ``Reason``: anything memgather cannot prove safe;
+  the original ``all_gather`` runs unchanged and keeps its own semantics.
+
+Nothing here allocates, communicates or keeps a reference to a storage.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from memgather import compat
+
+
+class Strategy(str, enum.Enum):
+    """How one call is carried out."""
+
+    DIRECT = "direct"
+    REBIND = "rebind"
+    FALLBACK = "fallback"
+
+
+class Reason(str, enum.Enum):
+    """Why a call went to the original ``all_gather``."""
+
+    NOT_INITIALIZED = "not_initialized"  # no default process group: torch raises its own error
+    NOT_IN_GROUP = "not_in_group"  # torch warns and returns None
+    COMPILING = "compiling"  # Dynamo maps all_gather to functional collectives itself
+    COALESCING = "coalescing"  # inside _coalescing_manager, torch queues the op
+    NO_PRIMITIVE = "no_primitive"  # this torch has no single-tensor all-gather
+    BACKEND = "backend"  # backend/device pair without a route known to be safe
+    TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
+    NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
+    WRONG_LENGTH = "wrong_length"  # list length is not the group size
+    NOT_A_TENSOR = "not_a_tensor"  # input or a slot is not a tensor
+    SLOT_SUBCLASS = "slot_subclass"  # a slot is a tensor subclass (Parameter, ...)
+    UNSUPPORTED_LAYOUT = "unsupported_layout"  # sparse, quantized, conj/neg bit, ...
+    EMPTY = "empty"  # nothing to gather, nothing to save
+    DTYPE_MISMATCH = "dtype_mismatch"
+    DEVICE_MISMATCH = "device_mismatch"
+    UNEVEN_SLOTS = "uneven_slots"  # a slot's shape differs from the input's
+    SLOT_REQUIRES_GRAD = "slot_requires_grad"
+    INFERENCE_TENSOR = "inference_tensor"  # in-place write torch would refuse
+    DUPLICATE_SLOT = "duplicate_slot"  # one tensor object appears twice
+    INPUT_OVERLAPS_OUTPUT = "input_overlaps_output"
+    SLOTS_SHARED = "slots_shared"  # neither adjacent views nor sole owners
+    CANNOT_PROVE_EXCLUSIVE = "cannot_prove_exclusive"  # torch lacks a storage use count
+    PEER_FALLBACK = "peer_fallback"  # another rank could not take the rewired path
+    UNEVEN_RANKS = "uneven_ranks"  # ranks' inputs differ (check off: torch decides)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The outcome of ``plan()``; ``reason`` is set exactly when falling back."""
+
+    strategy: Strategy
+    reason: Optional[Reason] = None
+
+    @property
+    def rewires(self) -> bool:
+        return self.strategy is not Strategy.FALLBACK
+
+
+DIRECT = Plan(Strategy.DIRECT)
+REBIND = Plan(Strategy.REBIND)
+
+
+def fallback(reason: Reason) -> Plan:
+    return _FALLBACKS[reason]
+
+
+_FALLBACKS = {reason: Plan(Strategy.FALLBACK, reason) for reason in Reason}
+
+
+def plan(tensor_list: Any, tensor: Any, world: int, rank: int) -> Plan:
+    """Choose the strategy for ``all_gather(tensor_list, tensor)`` on this rank."""
+    problem = _check_input(tensor) or _check_slots(tensor_list, tensor, world)
+    if problem is not None:
+        return fallback(problem)
+    if _adjacent(tensor_list):
+        if _input_overlaps_region(tensor, tensor_list, rank):
+            return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
+        return DIRECT
+    return _plan_rebind(tensor_list, tensor)
+
+
+def _check_input(tensor: Any) -> Optional[Reason]:
+    if not isinstance(tensor, torch.Tensor):
+        return Reason.NOT_A_TENSOR
+    if _odd_layout(tensor):
+        return Reason.UNSUPPORTED_LAYOUT
+    if tensor.numel() == 0:
+        return Reason.EMPTY
+    return None
+
+
+def _odd_layout(t: torch.Tensor) -> bool:
+    return t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
+
+
+def _check_slots(tensor_list: Any, tensor: torch.Tensor, world: int) -> Optional[Reason]:
+    if type(tensor_list) is not list:
+        return Reason.NOT_A_LIST
+    if len(tensor_list) != world:
+        return Reason.WRONG_LENGTH
+    for slot in tensor_list:
+        problem = _check_slot(slot, tensor)
+        if problem is not None:
+            return problem
+    if len({id(slot) for slot in tensor_list}) != world:
+        return Reason.DUPLICATE_SLOT
+    return None
+
+
+def _check_slot(slot: Any, tensor: torch.Tensor) -> Optional[Reason]:
+    if type(slot) is not torch.Tensor:
+        return Reason.SLOT_SUBCLASS if isinstance(slot, torch.Tensor) else Reason.NOT_A_TENSOR
+    if slot.dtype != tensor.dtype:
+        return Reason.DTYPE_MISMATCH
+    if slot.device != tensor.device:
+        return Reason.DEVICE_MISMATCH
+    if _odd_layout(slot):
+        return Reason.UNSUPPORTED_LAYOUT
+    if slot.shape != tensor.shape:
+        return Reason.UNEVEN_SLOTS
+    if slot.requires_grad:
+        return Reason.SLOT_REQUIRES_GRAD
+    if slot.is_inference() and not compat.inference_mode_enabled():
+        return Reason.INFERENCE_TENSOR
+    return None
+
+
+def _adjacent(slots: list) -> bool:
+    """Slots are contiguous views, in order, tiling one region of one storage."""
+    first = slots[0]
+    if not first.is_contiguous():
+        return False
+    storage_ptr = first.untyped_storage().data_ptr()
+    step = first.numel() * first.element_size()
+    start = first.data_ptr()
+    for index, slot in enumerate(slots[1:], start=1):
+        if (
+            not slot.is_contiguous()
+            or slot.data_ptr() != start + index * step
+            or slot.untyped_storage().data_ptr() != storage_ptr
+        ):
+            return False
+    return True
+
+
+def _input_overlaps_region(tensor: torch.Tensor, slots: list, rank: int) -> bool:
+    """The input shares the region's storage anywhere but exactly its own slot.
+
+    Exactly its own slot is safe (every route reads the input before anything
+    is written there); anything else could be overwritten before it is sent.
+    """
+    if tensor.untyped_storage().data_ptr() != slots[0].untyped_storage().data_ptr():
+        return False
+    own = slots[rank]
+    return not (tensor.data_ptr() == own.data_ptr() and tensor.is_contiguous())
+
+
+def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
+    if not compat.can_prove_exclusive():
+        return fallback(Reason.CANNOT_PROVE_EXCLUSIVE)
+    input_storage = tensor.untyped_storage().data_ptr()
+    for slot in slots:
+        if not slot.is_contiguous() or not compat.holds_storage_alone(slot):
+            return fallback(Reason.SLOTS_SHARED)
+        if slot.untyped_storage().data_ptr() == input_storage:
+            return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
+    return REBIND
