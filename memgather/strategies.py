@@ -54,6 +54,7 @@ class Reason(str, enum.Enum):
     INFERENCE_TENSOR = "inference_tensor"  # in-place write torch would refuse
     DUPLICATE_SLOT = "duplicate_slot"  # one tensor object appears twice
     INPUT_OVERLAPS_OUTPUT = "input_overlaps_output"
+    SLOT_NOT_CONTIGUOUS = "slot_not_contiguous"  # e.g. empty_like of a transposed input
     SLOTS_SHARED = "slots_shared"  # neither adjacent views nor sole owners
     CANNOT_PROVE_EXCLUSIVE = "cannot_prove_exclusive"  # torch lacks a storage use count
     PEER_FALLBACK = "peer_fallback"  # another rank could not take the rewired path
@@ -176,7 +177,11 @@ def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
         return fallback(Reason.CANNOT_PROVE_EXCLUSIVE)
     input_storage = tensor.untyped_storage().data_ptr()
     for slot in slots:
-        if not slot.is_contiguous() or not compat.holds_storage_alone(slot):
+        # Rebinding to a contiguous view would change a slot's strides, and
+        # ranks could disagree on a permuted layout: contiguous slots only.
+        if not slot.is_contiguous():
+            return fallback(Reason.SLOT_NOT_CONTIGUOUS)
+        if not compat.holds_storage_alone(slot):
             return fallback(Reason.SLOTS_SHARED)
         if slot.untyped_storage().data_ptr() == input_storage:
             return fallback(Reason.INPUT_OVERLAPS_OUTPUT)

@@ -1,0 +1,141 @@
+"""Functions that run on every rank of a pool (see tests/pool.py).
+
+Each takes a RankContext first and returns plain data the test process can
+assert on. Inputs are built deterministically from (seed, rank), so every rank
+can also rebuild what the others sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+import memgather
+
+_groups: Dict[Tuple[int, ...], Any] = {}
+
+
+def group_for(ranks: Optional[Tuple[int, ...]]) -> Any:
+    """A subgroup, created once per pool (every rank calls new_group in the same order)."""
+    if ranks is None:
+        return None
+    if ranks not in _groups:
+        _groups[ranks] = dist.new_group(list(ranks))
+    return _groups[ranks]
+
+
+def make_input(dtype: torch.dtype, shape: Tuple[int, ...], seed: int, layout: str = "contiguous") -> torch.Tensor:
+    """Deterministic data with special values.
+
+    ``layout``: "contiguous"; "strided" (every other element of a larger
+    tensor along the last dim: not dense); "permuted" (a transposed, dense
+    view, as ``x.t()`` gives).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    full = list(shape)
+    if layout == "strided" and full:
+        full[-1] *= 2
+    if layout == "permuted":
+        full = full[::-1]
+    data = _random(dtype, tuple(full), gen)
+    if layout == "strided" and full:
+        data = data[..., ::2]
+    if layout == "permuted" and len(shape) > 1:
+        data = data.permute(*reversed(range(len(shape))))
+    return data
+
+
+def _random(dtype: torch.dtype, shape: Tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        data = torch.randn(shape, generator=gen) * 100
+        flat = data.view(-1)
+        for index, special in enumerate((float("nan"), float("inf"), -0.0, float("-inf"))):
+            if index < flat.numel():
+                flat[index] = special
+        return data.to(dtype)
+    if dtype.is_complex:
+        return torch.complex(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    info = torch.iinfo(dtype)
+    low, high = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
+    return torch.randint(low, high, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's values as raw bytes (NaN payloads and -0.0 included)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def make_slots(kind: str, t: torch.Tensor, world: int, rank: int) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """Output slots as real code builds them; returns (slots, input to pass)."""
+    if kind == "empty_like":
+        return [torch.empty_like(t) for _ in range(world)], t
+    if kind == "zeros_like":
+        return [torch.zeros_like(t) for _ in range(world)], t
+    if kind == "ones_like":
+        return [torch.ones_like(t) for _ in range(world)], t
+    if kind == "clone":
+        return [t.clone() for _ in range(world)], t
+    if kind in ("views", "views_input_in_slot"):
+        flat = torch.zeros((world * max(t.numel(), 1),), dtype=t.dtype)
+        slots = [chunk.view(t.shape) for chunk in flat[: world * t.numel()].chunk(world)] if t.numel() else [
+            torch.empty(t.shape, dtype=t.dtype) for _ in range(world)
+        ]
+        if kind == "views_input_in_slot" and t.numel():
+            slots[rank].copy_(t)
+            return slots, slots[rank]
+        return slots, t
+    raise ValueError(kind)
+
+
+def differential(ctx: Any, cases: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Run each case unpatched and through memgather; report what differs."""
+    return [_one_case(ctx, case) for case in cases]
+
+
+def _one_case(ctx: Any, case: Dict[str, Any]) -> Dict[str, Any]:
+    group = group_for(case["group"])
+    member = case["group"] is None or ctx.rank in case["group"]
+    world = len(case["group"]) if case["group"] else ctx.world
+    grank = case["group"].index(ctx.rank) if case["group"] and member else min(ctx.rank, world - 1)
+    dtype = getattr(torch, case["dtype"])
+    t = make_input(dtype, tuple(case["shape"]), case["seed"] * 100 + ctx.rank, case["layout"])
+
+    ref_slots, ref_input = make_slots(case["slots"], t, world, grank)
+    ref_return = _call(dist.all_gather, ref_slots, ref_input, group, case["async"])
+
+    slots, given = make_slots(case["slots"], t, world, grank)
+    ids = [id(s) for s in slots]
+    versions = [s._version for s in slots]
+    before = [as_bytes(s) for s in slots]
+    memgather.reset_stats()
+    got_return = _call(memgather.all_gather, slots, given, group, case["async"])
+    snapshot = memgather.stats()
+    # A rank outside the group must find its slots untouched (their bytes may
+    # be uninitialised, so they cannot be compared with the reference's).
+    expected_bytes = [as_bytes(a) for a in ref_slots] if member else before
+    return {
+        "member": member,
+        "equal": expected_bytes == [as_bytes(b) for b in slots],
+        "meta_equal": [(a.shape, a.dtype) for a in ref_slots] == [(b.shape, b.dtype) for b in slots],
+        "return_kind": (type(ref_return).__name__, type(got_return).__name__),
+        "identity_kept": [id(s) for s in slots] == ids,
+        "versions_bumped": all(s._version > v for s, v in zip(slots, versions)),
+        "strategy": dict(snapshot.by_strategy),
+        "route": dict(snapshot.by_route),
+        "fallbacks": dict(snapshot.fallbacks),
+        "one_buffer": len({s.untyped_storage().data_ptr() for s in slots}) == 1,
+    }
+
+
+def _call(fn: Any, slots: List[torch.Tensor], given: torch.Tensor, group: Any, async_op: bool) -> Any:
+    result = fn(slots, given, group=group, async_op=async_op)
+    if async_op and result is not None:
+        result.wait()
+    return result
