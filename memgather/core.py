@@ -63,7 +63,10 @@ def all_gather(
     if gathered is not None:
         backend = routes.backend_name(group, tensor.device)
         route = routes.choose(backend, tensor.device, gathered, world, async_op)
-    chosen = plan(tensor_list, tensor, world, dist.get_rank(group)) if route else fallback(Reason.BACKEND)
+    if gathered is not None and route is None:
+        chosen = fallback(Reason.BACKEND)
+    else:  # a malformed call still gets its precise reason from plan()
+        chosen = plan(tensor_list, tensor, world, dist.get_rank(group))
     if gathered is not None and (check or (route is not None and route.needs_agreement)):
         chosen = _agree(chosen, tensor_list, tensor, world, check)
     if not chosen.rewires:

@@ -66,6 +66,8 @@ def _random(dtype: torch.dtype, shape: Tuple[int, ...], gen: torch.Generator) ->
 
 def as_bytes(t: torch.Tensor) -> bytes:
     """The tensor's values as raw bytes (NaN payloads and -0.0 included)."""
+    if t.device.type == "meta":  # no bytes to read: shape and dtype are all there is
+        return repr((tuple(t.shape), t.dtype)).encode()
     flat = t.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
@@ -139,3 +141,120 @@ def _call(fn: Any, slots: List[torch.Tensor], given: torch.Tensor, group: Any, a
     if async_op and result is not None:
         result.wait()
     return result
+
+
+class FunctionTensor(torch.Tensor):
+    """A subclass that overrides __torch_function__ (and passes everything through)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _filled(rank: int, shape: Tuple[int, ...] = (3,), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape) + 100 * rank).to(dtype)
+
+
+def _views(world: int, rank: int) -> List[torch.Tensor]:
+    return list(torch.zeros(world * 3).view(world, 3).unbind(0))
+
+
+# name -> builder(rank, world) returning (tensor_list, input, keepalive).
+# Each builds what a caller could really pass; the keepalive holds references
+# (views, storages) the case needs alive during the call.
+BAD_INPUTS: Dict[str, Any] = {
+    "not_a_list": lambda r, w: (tuple(torch.empty(3) for _ in range(w)), _filled(r), None),
+    "wrong_length": lambda r, w: ([torch.empty(3) for _ in range(w + 1)], _filled(r), None),
+    "slot_not_a_tensor": lambda r, w: ([torch.empty(3) for _ in range(w - 1)] + [[0.0, 0.0, 0.0]], _filled(r), None),
+    "input_not_a_tensor": lambda r, w: ([torch.empty(3) for _ in range(w)], [1.0, 2.0, 3.0], None),
+    "slot_subclass": lambda r, w: ([torch.nn.Parameter(torch.zeros(3), requires_grad=False) for _ in range(w)], _filled(r), None),
+    "input_torch_function": lambda r, w: ([torch.empty(3) for _ in range(w)], _filled(r).as_subclass(FunctionTensor), None),
+    "sparse_input": lambda r, w: ([torch.empty(3) for _ in range(w)], _filled(r).to_sparse(), None),
+    "conj_input": lambda r, w: ([torch.empty(3, dtype=torch.complex64) for _ in range(w)], _filled(r, dtype=torch.complex64).conj(), None),
+    "dtype_mismatch": lambda r, w: ([torch.empty(3, dtype=torch.float64) for _ in range(w)], _filled(r), None),
+    "device_mismatch": lambda r, w: ([torch.empty(3, device="meta") for _ in range(w)], _filled(r), None),
+    "meta_device": lambda r, w: ([torch.empty(3, device="meta") for _ in range(w)], torch.empty(3, device="meta"), None),
+    "uneven_slots": lambda r, w: ([torch.empty(4) for _ in range(w)], _filled(r), None),
+    "slot_requires_grad": lambda r, w: ([torch.zeros(3, requires_grad=True) for _ in range(w)], _filled(r), None),
+    "inference_slots": lambda r, w: (_inference_slots(w), _filled(r), None),
+    "duplicate_slot": lambda r, w: ([torch.zeros(3)] * w, _filled(r), None),
+    "input_is_other_rank_view": lambda r, w: _input_in_wrong_view(r, w),
+    "input_is_own_fresh_slot": lambda r, w: _input_is_fresh_slot(r, w),
+    "slot_view_held": lambda r, w: _slot_with_view(r, w),
+    "slot_storage_held": lambda r, w: _slot_with_storage(r, w),
+    "permuted_slots": lambda r, w: ([torch.empty(3, 2).t() for _ in range(w)], _filled(r, (2, 3)), None),
+}
+
+
+def _inference_slots(world: int) -> List[torch.Tensor]:
+    with torch.inference_mode():
+        return [torch.zeros(3) for _ in range(world)]
+
+
+def _input_in_wrong_view(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    views = _views(world, rank)
+    other = views[(rank + 1) % world]
+    other.copy_(_filled(rank))
+    return views, other, None
+
+
+def _input_is_fresh_slot(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    slots = [torch.zeros(3) for _ in range(world)]
+    slots[rank].copy_(_filled(rank))
+    return slots, slots[rank], None
+
+
+def _slot_with_view(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    slots = [torch.zeros(3) for _ in range(world)]
+    return slots, _filled(rank), slots[-1][1:]
+
+
+def _slot_with_storage(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    slots = [torch.zeros(3) for _ in range(world)]
+    return slots, _filled(rank), slots[0].untyped_storage()
+
+
+def _outcome(fn: Any, build: Any, rank: int, world: int, **kwargs: Any) -> Tuple[str, Any]:
+    slots, given, keep = build(rank, world)
+    try:
+        fn(slots, given, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the outcome is what we compare
+        return ("raise", type(error).__name__)
+    seen = keep if isinstance(keep, torch.Tensor) else None
+    return ("ok", [as_bytes(s) for s in slots], as_bytes(seen) if seen is not None else None)
+
+
+def compare_bad_input(ctx: Any, name: str) -> Dict[str, Any]:
+    """Torch's outcome and memgather's for one BAD_INPUTS case, plus memgather's stats."""
+    build = BAD_INPUTS[name]
+    want = _outcome(dist.all_gather, build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world)
+    return {"want": want, "got": got, "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+def compare_peer_dependent(ctx: Any, numel: int, shared_on: int) -> Dict[str, Any]:
+    """Only rank ``shared_on`` holds a view of a slot: it must fall back, alone or with all."""
+
+    def build(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+        slots = [torch.zeros(numel) for _ in range(world)]
+        return slots, _filled(rank, (numel,)), slots[0][:1] if rank == shared_on else None
+
+    want = _outcome(dist.all_gather, build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world)
+    snapshot = memgather.stats()
+    return {"want": want, "got": got, "strategy": dict(snapshot.by_strategy), "fallbacks": dict(snapshot.fallbacks)}
+
+
+def compare_mixed_dtypes(ctx: Any, numel: int, check: bool) -> Dict[str, Any]:
+    """Ranks pass equal byte counts of different dtypes (a broken program torch lets through)."""
+
+    def build(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+        dtype = torch.float32 if rank == 0 else torch.int32
+        return [torch.zeros(numel, dtype=dtype) for _ in range(world)], _filled(rank, (numel,), dtype), None
+
+    want = _outcome(dist.all_gather, build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world, check=check)
+    return {"want": want, "got": got, "fallbacks": dict(memgather.stats().fallbacks)}
