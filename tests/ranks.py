@@ -258,3 +258,122 @@ def compare_mixed_dtypes(ctx: Any, numel: int, check: bool) -> Dict[str, Any]:
     memgather.reset_stats()
     got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world, check=check)
     return {"want": want, "got": got, "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+def uneven_check(ctx: Any, numel_by_rank: List[int]) -> Dict[str, Any]:
+    """memgather with check=True where rank i passes numel_by_rank[i] elements."""
+    numel = numel_by_rank[ctx.rank]
+    slots = [torch.zeros(numel) for _ in range(ctx.world)]
+    memgather.reset_stats()
+    try:
+        memgather.all_gather(slots, _filled(ctx.rank, (numel,)), check=True)
+    except memgather.UnevenShapesError as error:
+        return {"raised": True, "message": str(error), "shapes": [(list(s), str(d)) for s, d in error.shapes],
+                "is_value_error": isinstance(error, ValueError)}
+    return {"raised": False, "strategy": dict(memgather.stats().by_strategy),
+            "correct": all(torch.equal(s, _filled(r, (numel,))) for r, s in enumerate(slots))}
+
+
+def gather_result(ctx: Any, shape: Tuple[int, ...], dtype_name: str, subgroup: Optional[Tuple[int, ...]]) -> Any:
+    """memgather.gather vs torch.cat of torch's all_gather."""
+    group = group_for(subgroup)
+    if subgroup is not None and ctx.rank not in subgroup:
+        try:
+            memgather.gather(torch.ones(shape), group=group)
+        except ValueError as error:
+            return {"member": False, "message": str(error)}
+        return {"member": False, "message": None}
+    world = dist.get_world_size(group)
+    t = make_input(getattr(torch, dtype_name), shape, 7 + ctx.rank)
+    ref = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(ref, t, group=group)
+    want = torch.stack(ref) if t.dim() == 0 else torch.cat(ref)
+    got = memgather.gather(t, group=group)
+    return {"member": True, "shape": list(got.shape), "want_shape": list(want.shape), "equal": as_bytes(got) == as_bytes(want)}
+
+
+def async_work(ctx: Any, numel: int) -> Dict[str, Any]:
+    """The returned work of an async rewired call, and the slots after wait()."""
+    slots = [torch.zeros(numel) for _ in range(ctx.world)]
+    memgather.reset_stats()
+    work = memgather.all_gather(slots, _filled(ctx.rank, (numel,)), async_op=True)
+    is_work = isinstance(work, dist.Work)
+    work.wait()
+    return {"is_work": is_work, "completed": work.is_completed(), "strategy": dict(memgather.stats().by_strategy),
+            "correct": all(torch.equal(s, _filled(r, (numel,))) for r, s in enumerate(slots))}
+
+
+def failure_after_rebind(ctx: Any, numel: int) -> Dict[str, Any]:
+    """Rank 0 gathers on a 2 s group that rank 1 never joins the gather of."""
+    from datetime import timedelta
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if ctx.rank != 0:
+        return {"skipped": True}
+    slots = [torch.zeros(numel) for _ in range(2)]
+    ids = [id(s) for s in slots]
+    memgather.reset_stats()
+    try:
+        memgather.all_gather(slots, torch.ones(numel), group=group)
+    except RuntimeError as error:
+        raised = type(error).__name__
+    else:
+        raised = None
+    return {
+        "skipped": False,
+        "raised": raised,
+        "strategy": dict(memgather.stats().by_strategy),
+        "identity_kept": [id(s) for s in slots] == ids,
+        "shapes": [list(s.shape) for s in slots],
+        "allocated": all(s.untyped_storage().nbytes() >= s.numel() * s.element_size() for s in slots),
+    }
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_growth(ctx: Any, numel: int, slots_kind: str, use_memgather: bool) -> Dict[str, Any]:
+    """Peak RSS growth (bytes) during one gather: VmHWM after minus VmRSS before.
+
+    ``/proc/self/clear_refs`` resets the high-water mark right before the call.
+    """
+    import gc
+
+    t = torch.rand(numel)
+    slots = [torch.empty_like(t) if slots_kind == "empty_like" else torch.zeros_like(t) for _ in range(ctx.world)]
+    gc.collect()
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = _rss_kib("VmRSS")
+    memgather.reset_stats()
+    (memgather.all_gather if use_memgather else dist.all_gather)(slots, t)
+    growth = (_rss_kib("VmHWM") - before) * 1024
+    correct = torch.equal(slots[ctx.rank], t)
+    del slots, t
+    gc.collect()
+    dist.barrier()
+    return {"growth": growth, "gathered": numel * 4 * ctx.world, "correct": correct,
+            "strategy": dict(memgather.stats().by_strategy), "route": dict(memgather.stats().by_route)}
+
+
+def direct_in_place(ctx: Any, numel: int) -> Dict[str, Any]:
+    """Adjacent views of one buffer, the input in its own slot: written where they lie."""
+    buffer = torch.zeros(ctx.world * numel)
+    slots = list(buffer.view(ctx.world, numel).unbind(0))
+    slots[ctx.rank].copy_(_filled(ctx.rank, (numel,)))
+    pointers = [s.data_ptr() for s in slots]
+    buffer_ptr = buffer.untyped_storage().data_ptr()
+    memgather.reset_stats()
+    memgather.all_gather(slots, slots[ctx.rank])
+    return {
+        "strategy": dict(memgather.stats().by_strategy),
+        "pointers_kept": [s.data_ptr() for s in slots] == pointers,
+        "same_storage": buffer.untyped_storage().data_ptr() == buffer_ptr,
+        "correct": all(torch.equal(buffer.view(ctx.world, numel)[r], _filled(r, (numel,))) for r in range(ctx.world)),
+    }

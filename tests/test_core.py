@@ -1,0 +1,120 @@
+"""memgather.all_gather / gather on real gloo ranks: check mode, gather(), async,
+failure, memory, statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import memgather
+from tests.conftest import unwrap
+from tests.ranks import (
+    async_work,
+    direct_in_place,
+    failure_after_rebind,
+    gather_result,
+    peak_growth,
+    uneven_check,
+)
+
+BIG = 655360  # float32 elements: 2.5 MiB per rank, gloo's broadcast route
+
+
+@pytest.mark.parametrize("numel", [3, BIG], ids=["single-route", "broadcast-route"])
+def test_check_raises_on_every_rank_naming_each_shape(pools: Any, numel: int) -> None:
+    results = unwrap(pools(3).run(uneven_check, [numel, numel + 1, numel]))
+    for result in results:
+        assert result["raised"] and result["is_value_error"]
+        assert result["shapes"] == [([numel], "torch.float32"), ([numel + 1], "torch.float32"), ([numel], "torch.float32")]
+        for rank, size in enumerate([numel, numel + 1, numel]):
+            assert f"rank {rank}: ({size},) float32" in result["message"]
+
+
+def test_check_passes_even_shapes_and_still_rewires(pools: Any) -> None:
+    for result in unwrap(pools(2).run(uneven_check, [5, 5])):
+        assert result == {"raised": False, "strategy": {"rebind": 1}, "correct": True}
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,subgroup",
+    [((), "float32", None), ((4, 3), "bfloat16", None), ((BIG,), "float32", None), ((2, 5), "int64", (0, 2)), ((0, 2), "float32", None)],
+)
+def test_gather_equals_cat_of_all_gather(pools: Any, shape: Any, dtype: str, subgroup: Any) -> None:
+    for result in unwrap(pools(3).run(gather_result, shape, dtype, subgroup)):
+        if result["member"]:
+            assert result["shape"] == result["want_shape"]
+            assert result["equal"]
+        else:
+            assert "not a member" in result["message"]
+
+
+def test_gather_of_scalars_has_shape_world(pools: Any) -> None:
+    for result in unwrap(pools(3).run(gather_result, (), "int32", None)):
+        assert result["shape"] == [3]
+
+
+def test_async_returns_torch_work_and_wait_completes(pools: Any) -> None:
+    for result in unwrap(pools(2).run(async_work, 1000)):
+        assert result == {"is_work": True, "completed": True, "strategy": {"rebind": 1}, "correct": True}
+
+
+def test_failed_collective_leaves_slots_valid(pools: Any) -> None:
+    """A peer that never arrives: the error propagates, the slots stay allocated and shaped."""
+    first, second = unwrap(pools(2).run(failure_after_rebind, 1000, timeout_s=120))
+    assert second["skipped"]
+    assert first["raised"] == "RuntimeError"
+    assert first["strategy"] == {"rebind": 1}  # the storages were released before the failure
+    assert first["identity_kept"] and first["allocated"]
+    assert first["shapes"] == [[1000], [1000]]
+
+
+def test_direct_writes_in_place(pools: Any) -> None:
+    for result in unwrap(pools(3).run(direct_in_place, 1000)):
+        assert result == {"strategy": {"direct": 1}, "pointers_kept": True, "same_storage": True, "correct": True}
+
+
+MIB = 1 << 20
+MEMORY_NUMEL = 12 * MIB  # 48 MiB float32 per rank: beyond glibc's mmap threshold, so frees reach the OS
+
+
+def test_rebind_never_holds_old_slots_and_buffer_at_once(pools: Any) -> None:
+    """Zero-filled (resident) slots: were they alive when the buffer is filled, RSS would grow by
+    the gathered size; released first, it barely moves."""
+    for result in unwrap(pools(2).run(peak_growth, MEMORY_NUMEL, "zeros_like", True)):
+        assert result["correct"] and result["strategy"] == {"rebind": 1}
+        assert result["growth"] < 0.25 * result["gathered"], result
+
+
+def test_rebind_peak_growth_is_the_gathered_size(pools: Any) -> None:
+    """Fresh empty_like slots: torch grows by about 2x the gathered size, memgather by 1x."""
+    ours = unwrap(pools(2).run(peak_growth, MEMORY_NUMEL, "empty_like", True))
+    torchs = unwrap(pools(2).run(peak_growth, MEMORY_NUMEL, "empty_like", False))
+    for mine, theirs in zip(ours, torchs):
+        assert mine["correct"] and theirs["correct"]
+        assert mine["route"] == {"broadcast": 1}
+        assert mine["growth"] <= 1.05 * mine["gathered"], mine
+        assert theirs["growth"] >= 1.5 * theirs["gathered"], theirs
+
+
+def test_stats_are_typed_printable_and_reset() -> None:
+    memgather.reset_stats()
+    empty = memgather.stats()
+    assert isinstance(empty, memgather.Stats)
+    assert (empty.calls, empty.rewired, empty.bytes_saved) == (0, 0, 0)
+    with pytest.raises(ValueError):
+        memgather.all_gather([torch.empty(1)], torch.ones(1))  # no process group in this process
+    snapshot = memgather.stats()
+    assert snapshot.calls == 1 and snapshot.fallbacks == {"not_initialized": 1}
+    assert "1 calls, 0 rewired" in str(snapshot) and "not_initialized=1" in str(snapshot)
+    with pytest.raises(TypeError):
+        snapshot.fallbacks["x"] = 1  # a snapshot, not a live view
+    memgather.reset_stats()
+    assert memgather.stats().calls == 0
+
+
+def test_primitive_is_reported_with_its_reason() -> None:
+    chosen = memgather.primitive()
+    assert chosen.name == "all_gather_single"
+    assert chosen.torch_version == torch.__version__ and "all_gather_single" in chosen.reason
