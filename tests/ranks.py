@@ -377,3 +377,18 @@ def direct_in_place(ctx: Any, numel: int) -> Dict[str, Any]:
         "same_storage": buffer.untyped_storage().data_ptr() == buffer_ptr,
         "correct": all(torch.equal(buffer.view(ctx.world, numel)[r], _filled(r, (numel,))) for r in range(ctx.world)),
     }
+
+
+def warnings_raised(ctx: Any) -> List[str]:
+    """Warnings memgather's own calls trigger on every route (torch's FutureWarnings included)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for numel, async_op in ((3, False), (3, True), (1 << 20, False)):
+            slots = [torch.empty(numel) for _ in range(ctx.world)]
+            work = memgather.all_gather(slots, torch.ones(numel), async_op=async_op, check=not async_op)
+            if work is not None:
+                work.wait()
+            memgather.gather(torch.ones(numel))
+    return [f"{w.category.__name__}: {w.message}" for w in caught]

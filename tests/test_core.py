@@ -17,6 +17,7 @@ from tests.ranks import (
     gather_result,
     peak_growth,
     uneven_check,
+    warnings_raised,
 )
 
 BIG = 655360  # float32 elements: 2.5 MiB per rank, gloo's broadcast route
@@ -118,3 +119,9 @@ def test_primitive_is_reported_with_its_reason() -> None:
     chosen = memgather.primitive()
     assert chosen.name == "all_gather_single"
     assert chosen.torch_version == torch.__version__ and "all_gather_single" in chosen.reason
+
+
+def test_no_warning_from_memgathers_own_calls(pools: Any) -> None:
+    """all_gather_into_tensor and _all_gather_base warn on torch 2.13: memgather must not call them."""
+    for caught in unwrap(pools(2).run(warnings_raised)):
+        assert caught == []
