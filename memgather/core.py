@@ -65,6 +65,8 @@ def all_gather(
         route = routes.choose(backend, tensor.device, gathered, world, async_op)
     if gathered is not None and route is None:
         chosen = fallback(Reason.BACKEND)
+    elif route is not None and route.contiguous_input_only and not tensor.is_contiguous():
+        chosen = fallback(Reason.INPUT_NOT_CONTIGUOUS)
     else:  # a malformed call still gets its precise reason from plan()
         chosen = plan(tensor_list, tensor, world, dist.get_rank(group))
     if gathered is not None and (check or (route is not None and route.needs_agreement)):

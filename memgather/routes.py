@@ -48,16 +48,25 @@ class Route:
     name: str
     saves_temp: bool
     needs_agreement: bool
+    contiguous_input_only: bool = False
 
 
-SINGLE_IN_PLACE = Route("single", saves_temp=True, needs_agreement=False)
+# NCCL reads the input as raw memory and rejects non-contiguous ones where
+# torch's list call differs in what it accepts; such inputs stay with torch.
+SINGLE_IN_PLACE = Route("single", saves_temp=True, needs_agreement=False, contiguous_input_only=True)
+# Gloo copies the input in logical order on both calls (tested bit for bit).
 SINGLE_STAGED = Route("single", saves_temp=False, needs_agreement=False)
 BROADCAST = Route("broadcast", saves_temp=True, needs_agreement=True)
 
 
 def backend_name(group: Any, device: torch.device) -> str:
-    """The backend serving ``device`` in ``group`` (handles 'cpu:gloo,cuda:nccl')."""
-    name = str(dist.get_backend(group)).lower()
+    """The backend serving ``device`` in ``group``."""
+    return backend_for_device(str(dist.get_backend(group)), device)
+
+
+def backend_for_device(name: str, device: torch.device) -> str:
+    """Resolve a backend string, per-device ones ('cpu:gloo,cuda:nccl') included."""
+    name = name.lower()
     if ":" not in name:
         return name
     for part in name.split(","):

@@ -54,6 +54,7 @@ class Reason(str, enum.Enum):
     INFERENCE_TENSOR = "inference_tensor"  # in-place write torch would refuse
     DUPLICATE_SLOT = "duplicate_slot"  # one tensor object appears twice
     INPUT_OVERLAPS_OUTPUT = "input_overlaps_output"
+    INPUT_NOT_CONTIGUOUS = "input_not_contiguous"  # on a route that reads raw memory (NCCL)
     SLOT_NOT_CONTIGUOUS = "slot_not_contiguous"  # e.g. empty_like of a transposed input
     SLOTS_SHARED = "slots_shared"  # neither adjacent views nor sole owners
     CANNOT_PROVE_EXCLUSIVE = "cannot_prove_exclusive"  # torch lacks a storage use count

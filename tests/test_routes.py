@@ -1,0 +1,45 @@
+"""The route table: which collective for which backend, device, size and mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memgather import routes
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "backend,device,per_rank,async_op,expected",
+    [
+        ("gloo", CPU, 4 << 10, False, routes.SINGLE_STAGED),
+        ("gloo", CPU, 2 * MIB - 1, False, routes.SINGLE_STAGED),
+        ("gloo", CPU, 2 * MIB, False, routes.BROADCAST),
+        ("gloo", CPU, 64 * MIB, True, routes.SINGLE_STAGED),
+        ("gloo", CUDA, 64 * MIB, False, None),
+        ("nccl", CUDA, 4 << 10, False, routes.SINGLE_IN_PLACE),
+        ("nccl", CUDA, 64 * MIB, False, routes.SINGLE_IN_PLACE),
+        ("nccl", CPU, 4 << 10, False, None),
+        ("fake", CPU, 4 << 10, False, routes.SINGLE_STAGED),
+        ("mpi", CPU, 4 << 10, False, None),
+        ("", CPU, 4 << 10, False, None),
+    ],
+)
+def test_choose(backend: str, device: torch.device, per_rank: int, async_op: bool, expected: object) -> None:
+    assert routes.choose(backend, device, per_rank * 3, 3, async_op) is expected
+
+
+def test_only_the_broadcast_route_needs_agreement_and_only_nccl_needs_contiguous_input() -> None:
+    assert [r.needs_agreement for r in (routes.SINGLE_STAGED, routes.SINGLE_IN_PLACE, routes.BROADCAST)] == [False, False, True]
+    assert [r.contiguous_input_only for r in (routes.SINGLE_STAGED, routes.SINGLE_IN_PLACE, routes.BROADCAST)] == [False, True, False]
+
+
+@pytest.mark.parametrize(
+    "name,device,expected",
+    [("gloo", CPU, "gloo"), ("NCCL", CUDA, "nccl"), ("cpu:gloo,cuda:nccl", CPU, "gloo"),
+     ("cpu:gloo,cuda:nccl", CUDA, "nccl"), ("cuda:nccl", CPU, "")],
+)
+def test_backend_for_device(name: str, device: torch.device, expected: str) -> None:
+    assert routes.backend_for_device(name, device) == expected
