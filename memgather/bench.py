@@ -13,13 +13,14 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
-import os
 import socket
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from memgather import rss
 
 SEED_SHAPE = (64, 224, 224, 64)
 DEFAULT_SHAPE = (16, 224, 224, 16)  # 49 MiB of float32 per rank: about a minute in all on 2 cores
@@ -37,7 +38,7 @@ class RankResult:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if not os.path.exists("/proc/self/clear_refs"):
+    if not rss.available():
         print("memgather.bench needs Linux's /proc/self/clear_refs to reset the peak RSS; not found here.", file=sys.stderr)
         return 2
     shape = SEED_SHAPE if args.shape == "seed" else tuple(int(d) for d in args.shape.split(","))
@@ -96,12 +97,12 @@ def _rank_main(rank: int, world: int, port: int, mode: str, shape: Tuple[int, ..
     for index in range(repeat):
         slots = [torch.empty_like(tensor) for _ in range(world)]
         dist.barrier()
-        _reset_peak()
-        before = _status_kib("VmRSS")
+        rss.reset_peak()
+        before = rss.current_bytes()
         start = time.perf_counter()
         gather(slots, tensor)
         seconds.append(time.perf_counter() - start)
-        peaks.append(tensor.numel() * tensor.element_size() + (_status_kib("VmHWM") - before) * 1024)
+        peaks.append(tensor.numel() * tensor.element_size() + rss.peak_bytes() - before)
         if index == 0:
             digest = _digest(slots)
         del slots
@@ -119,19 +120,6 @@ def _digest(slots: List[Any]) -> str:
     for slot in slots:
         sha.update(slot.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
 def _row(pattern: str, world: int, shape: Tuple[int, ...], dtype: str, results: Dict[str, List[RankResult]]) -> Dict[str, Any]:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import memgather
+from memgather import rss
 
 _groups: Dict[Tuple[int, ...], Any] = {}
 
@@ -329,31 +330,19 @@ def failure_after_rebind(ctx: Any, numel: int) -> Dict[str, Any]:
     }
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def peak_growth(ctx: Any, numel: int, slots_kind: str, use_memgather: bool) -> Dict[str, Any]:
-    """Peak RSS growth (bytes) during one gather: VmHWM after minus VmRSS before.
-
-    ``/proc/self/clear_refs`` resets the high-water mark right before the call.
-    """
+    """Peak RSS growth (bytes) during one gather, the peak reset right before it."""
     import gc
 
     t = torch.rand(numel)
     slots = [torch.empty_like(t) if slots_kind == "empty_like" else torch.zeros_like(t) for _ in range(ctx.world)]
     gc.collect()
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    before = _rss_kib("VmRSS")
+    rss.reset_peak()
+    before = rss.current_bytes()
     memgather.reset_stats()
     (memgather.all_gather if use_memgather else dist.all_gather)(slots, t)
-    growth = (_rss_kib("VmHWM") - before) * 1024
+    growth = rss.peak_bytes() - before
     correct = torch.equal(slots[ctx.rank], t)
     del slots, t
     gc.collect()
