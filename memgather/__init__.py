@@ -2,31 +2,70 @@
 
 Public API::
 
+    memgather.patch(targets=None, *, check=None, force=None) / unpatch() / is_patched()
+    memgather.disabled()                 # opt out, as context manager or decorator
     memgather.all_gather(tensor_list, tensor, group=None, async_op=False)
     memgather.gather(tensor, group=None) -> Tensor
     memgather.stats() / memgather.reset_stats()
-    memgather.primitive()  # which single-tensor all-gather this torch offers, and why
+    memgather.primitive()                # the single-tensor all-gather this torch offers, and why
+    memgather.TARGETS                    # the built-in target registry
     memgather.UnevenShapesError
+
+Names are imported on first use, so ``import memgather`` (and the start-up
+hook in ``memgather.pth``) does not import torch.
 """
 
-from memgather.compat import Primitive
-from memgather.compat import single_tensor_primitive as primitive
-from memgather.core import all_gather, gather
-from memgather.errors import UnevenShapesError
-from memgather.stats import Stats, reset_stats, stats
-from memgather.strategies import Reason, Strategy
+from __future__ import annotations
 
-__all__ = [
-    "Primitive",
-    "Reason",
-    "Stats",
-    "Strategy",
-    "UnevenShapesError",
-    "all_gather",
-    "gather",
-    "primitive",
-    "reset_stats",
-    "stats",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "all_gather": ("memgather.core", "all_gather"),
+    "gather": ("memgather.core", "gather"),
+    "patch": ("memgather.patcher", "patch"),
+    "unpatch": ("memgather.patcher", "unpatch"),
+    "is_patched": ("memgather.patcher", "is_patched"),
+    "disabled": ("memgather.scope", "disabled"),
+    "stats": ("memgather.counters", "stats"),
+    "reset_stats": ("memgather.counters", "reset_stats"),
+    "Stats": ("memgather.counters", "Stats"),
+    "primitive": ("memgather.compat", "single_tensor_primitive"),
+    "Primitive": ("memgather.compat", "Primitive"),
+    "UnevenShapesError": ("memgather.errors", "UnevenShapesError"),
+    "Reason": ("memgather.strategies", "Reason"),
+    "Strategy": ("memgather.strategies", "Strategy"),
+    "Target": ("memgather.targets", "Target"),
+    "TARGETS": ("memgather.targets", "BUILTIN"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attribute = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'memgather' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from memgather.compat import Primitive
+    from memgather.compat import single_tensor_primitive as primitive
+    from memgather.core import all_gather, gather
+    from memgather.errors import UnevenShapesError
+    from memgather.patcher import is_patched, patch, unpatch
+    from memgather.scope import disabled
+    from memgather.counters import Stats, reset_stats, stats
+    from memgather.strategies import Reason, Strategy
+    from memgather.targets import BUILTIN as TARGETS
+    from memgather.targets import Target

@@ -1,24 +1,37 @@
-"""Environment variables, read into one typed settings object."""
+"""Environment variables, read into one typed settings object.
+
+| variable | values | meaning |
+|---|---|---|
+| ``MEMGATHER`` | unset, ``1``, ``0`` | ``1``: patch at start-up (through the ``.pth``); ``0``: kill switch, ``patch()`` does nothing |
+| ``MEMGATHER_TARGETS`` | comma-separated names | targets to rewire (built-in names, module prefixes, ``*``); unset: every built-in |
+| ``MEMGATHER_CHECK`` | boolean | cross-rank shape check on every rewired call |
+| ``MEMGATHER_FORCE`` | boolean | rewire targets whose installed version is outside the tested range |
+| ``MEMGATHER_LOG`` | a logging level name | log memgather's messages at that level to stderr |
+| ``MEMGATHER_REPORT`` | ``1``/``rank0``, ``all``, ``0`` | statistics at exit: rank 0 only, or every rank |
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+_REPORTS = {"": "off", "0": "off", "off": "off", "1": "rank0", "rank0": "rank0", "all": "all"}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What the environment asks of memgather.
+    """What the environment asks of memgather (see the module docstring)."""
 
-    ``check``: run the cross-rank shape check on every rewired call
-    (``MEMGATHER_CHECK``).
-    """
-
+    enabled: Optional[bool] = None
+    targets: Optional[Tuple[str, ...]] = None
     check: bool = False
+    force: bool = False
+    log_level: Optional[int] = None
+    report: str = "off"
 
 
 def parse_bool(name: str, value: str) -> bool:
@@ -34,4 +47,54 @@ def parse_bool(name: str, value: str) -> bool:
 def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Settings from ``environ`` (default: ``os.environ``)."""
     env = os.environ if environ is None else environ
-    return Settings(check=parse_bool("MEMGATHER_CHECK", env.get("MEMGATHER_CHECK", "")))
+    raw_enabled = env.get("MEMGATHER", "").strip()
+    raw_targets = env.get("MEMGATHER_TARGETS")
+    return Settings(
+        enabled=None if raw_enabled == "" else parse_bool("MEMGATHER", raw_enabled),
+        targets=None if raw_targets is None else tuple(t.strip() for t in raw_targets.split(",") if t.strip()),
+        check=parse_bool("MEMGATHER_CHECK", env.get("MEMGATHER_CHECK", "")),
+        force=parse_bool("MEMGATHER_FORCE", env.get("MEMGATHER_FORCE", "")),
+        log_level=_parse_level(env.get("MEMGATHER_LOG", "")),
+        report=_parse_report(env.get("MEMGATHER_REPORT", "")),
+    )
+
+
+def _parse_level(value: str) -> Optional[int]:
+    name = value.strip().upper()
+    if not name:
+        return None
+    level = logging.getLevelName(name)
+    if isinstance(level, int):
+        return level
+    if name.isdigit():
+        return int(name)
+    raise ValueError(f"MEMGATHER_LOG={value!r} is not a logging level: use DEBUG, INFO, WARNING or ERROR")
+
+
+def _parse_report(value: str) -> str:
+    key = value.strip().lower()
+    if key not in _REPORTS:
+        raise ValueError(f"MEMGATHER_REPORT={value!r}: use 1 (rank 0), all (every rank) or 0")
+    return _REPORTS[key]
+
+
+def export(enabled: bool, targets: Tuple[str, ...], check: bool, force: bool) -> Mapping[str, Optional[str]]:
+    """Write settings to ``os.environ`` so spawned children re-patch; returns the previous values."""
+    values = {
+        "MEMGATHER": "1" if enabled else "0",
+        "MEMGATHER_TARGETS": ",".join(targets),
+        "MEMGATHER_CHECK": "1" if check else "0",
+        "MEMGATHER_FORCE": "1" if force else "0",
+    }
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    return previous
+
+
+def restore(previous: Mapping[str, Optional[str]]) -> None:
+    """Undo ``export``."""
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -3,7 +3,7 @@
 ``all_gather`` decides whether it may act, plans a strategy from the caller's
 slots (``strategies``), agrees with the other ranks where the route needs it
 (``agreement``), lays out the output (``slots``), moves the bytes
-(``routes``) and counts what it did (``stats``). Whatever it cannot prove safe
+(``routes``) and counts what it did (``counters``). Whatever it cannot prove safe
 goes to the original ``torch.distributed.all_gather`` unchanged.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
-from memgather import agreement, compat, config, routes, slots, stats
+from memgather import agreement, compat, config, counters, routes, slots
 from memgather.strategies import DIRECT, Plan, Reason, fallback, plan
 
 _log = logging.getLogger("memgather")
@@ -136,7 +136,7 @@ def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, 
 
 
 def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:
-    stats.record("fallback", reason=reason.value if reason else None)
+    counters.record("fallback", reason=reason.value if reason else None)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("all_gather falls back to torch: %s", reason.value if reason else "unknown")
     return _original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
@@ -151,7 +151,7 @@ def _rewire(
     async_op: bool,
     gathered: int,
 ) -> Any:
-    stats.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
+    counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
     flat = slots.region(tensor_list) if chosen is DIRECT else slots.rebind(tensor_list)
     work = routes.run(route, flat, tensor, group, async_op)
     if chosen is DIRECT:

@@ -43,7 +43,7 @@ BROADCAST_MIN_BYTES_PER_RANK = 2 << 20
 @dataclass(frozen=True)
 class Route:
     """One way to move the bytes; ``saves_temp`` says whether the backend's
-    own gathered-size temporary is avoided (what ``stats`` counts as saved)."""
+    own gathered-size temporary is avoided (what ``counters`` counts as saved)."""
 
     name: str
     saves_temp: bool

@@ -381,3 +381,30 @@ def warnings_raised(ctx: Any) -> List[str]:
                 work.wait()
             memgather.gather(torch.ones(numel))
     return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def scoped_calls(ctx: Any, targets: List[str]) -> Dict[str, Any]:
+    """Which callers memgather rewires under patch(targets)."""
+    from tests.sites import from_import_caller, other_caller, target_caller
+
+    result: Dict[str, Any] = {}
+    memgather.patch(targets)
+    try:
+        for name, module in (("target", target_caller), ("other", other_caller), ("from_import", from_import_caller)):
+            memgather.reset_stats()
+            slots = module.gather(_filled(ctx.rank))
+            result[name] = {"rewired": memgather.stats().rewired,
+                            "correct": all(torch.equal(s, _filled(r)) for r, s in enumerate(slots))}
+        memgather.reset_stats()
+        objects = from_import_caller.gather_objects({"rank": ctx.rank})
+        result["objects"] = {"rewired": memgather.stats().rewired, "correct": objects == [{"rank": r} for r in range(ctx.world)]}
+        memgather.reset_stats()
+        with memgather.disabled():
+            target_caller.gather(_filled(ctx.rank))
+        result["disabled"] = {"calls": memgather.stats().calls}
+    finally:
+        memgather.unpatch()
+    memgather.reset_stats()
+    target_caller.gather(_filled(ctx.rank))
+    result["after_unpatch"] = {"calls": memgather.stats().calls}
+    return result

@@ -1,0 +1,5 @@
+import sys
+
+from memgather.cli import main
+
+sys.exit(main())

@@ -1,0 +1,257 @@
+"""``patch()`` / ``unpatch()``: memgather's wrapper around torch's all_gather.
+
+The wrapper is installed on ``torch.distributed.all_gather``,
+``torch.distributed.distributed_c10d.all_gather`` (which ``all_gather_object``
+calls) and on ``all_gather`` names that already-imported target modules took
+with ``from torch.distributed import all_gather``. Per call it asks three
+cheap questions (patched? opted out? compiling?) and one cached one (is the
+caller a selected target whose version gate passed?), then hands the call to
+``memgather.core`` or to the function it wraps.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from types import CodeType, ModuleType
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch.distributed as dist
+import wrapt
+
+from memgather import callers, compat, config, core, report, scope
+from memgather import targets as registry
+
+_log = logging.getLogger("memgather")
+
+_MAX_DECISIONS = 4096  # code objects remembered; cleared past this (exec'd code, lambdas)
+
+
+class MemgatherWrapper(wrapt.FunctionWrapper):
+    """memgather's wrapper; its type is the "already patched" marker (torch's
+    own functions already carry ``__wrapped__``)."""
+
+
+@dataclass(frozen=True)
+class _Active:
+    """What the current ``patch()`` asked for."""
+
+    selection: registry.Selection
+    check: bool
+    force: bool
+
+
+_lock = threading.RLock()
+_active: Optional[_Active] = None
+_wrapper: Optional[MemgatherWrapper] = None
+_installed: List[Tuple[Any, str, Any]] = []  # (owner, attribute, value it replaced)
+# Keyed by id(code), holding the code object so the id cannot be reused: code
+# objects compare by value, and two modules' identical functions are "equal".
+_decisions: Dict[int, Tuple[CodeType, bool]] = {}
+_exported: Optional[Dict[str, Optional[str]]] = None
+_hooked: set = set()
+_announced: set = set()
+
+
+def patch(
+    targets: Optional[Iterable[str]] = None,
+    *,
+    check: Optional[bool] = None,
+    force: Optional[bool] = None,
+) -> bool:
+    """Rewire ``torch.distributed.all_gather`` for the selected callers.
+
+    ``targets``: built-in target names, module prefixes of your own, or
+    ``"*"`` for every caller (default: ``MEMGATHER_TARGETS``, else every
+    built-in target). ``check``: cross-rank shape check on every rewired call
+    (default ``MEMGATHER_CHECK``). ``force``: rewire targets whose installed
+    version is outside the tested range (default ``MEMGATHER_FORCE``).
+    Idempotent and thread-safe; calling it again replaces the settings. Also
+    exports the settings to the environment, so spawned children re-patch.
+    Returns False, doing nothing, when ``MEMGATHER=0``.
+    """
+    global _active, _exported
+    settings = config.load()
+    _configure_logging(settings.log_level)
+    if settings.enabled is False:
+        _log.info("MEMGATHER=0: patch() does nothing")
+        return False
+    selection = registry.select(targets if targets is not None else settings.targets)
+    active = _Active(selection, settings.check if check is None else check, settings.force if force is None else force)
+    with _lock:
+        _install()
+        _rebind_imported(selection)
+        _decisions.clear()
+        _active = active
+        previous = config.export(True, selection.names, active.check, active.force)
+        if _exported is None:
+            _exported = dict(previous)
+        _hook_targets(selection)
+        report.install(settings.report)
+    _log.info("memgather patched all_gather for %s", ", ".join(selection.names) or "no targets")
+    return True
+
+
+def unpatch() -> bool:
+    """Undo ``patch()``: restore every name it replaced. Returns whether it was patched.
+
+    Where another wrapper was installed on top of memgather's, memgather's is
+    disabled in place instead (removing it would remove the other one too).
+    """
+    global _active, _wrapper, _exported
+    with _lock:
+        if _active is None:
+            return False
+        _active = None
+        _decisions.clear()
+        kept = [entry for entry in _installed if not _restore(*entry)]
+        _installed[:] = kept
+        if kept:
+            places = ", ".join(f"{_owner_name(owner)}.{name}" for owner, name, _ in kept)
+            _log.warning("another wrapper sits above memgather's on %s: memgather's is disabled there, not removed", places)
+        else:
+            _wrapper = None
+        if _exported is not None:
+            config.restore(_exported)
+            _exported = None
+    return True
+
+
+def is_patched() -> bool:
+    """Whether memgather is currently rewiring calls."""
+    return _active is not None
+
+
+def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    active = _active
+    if active is not None and not scope.is_disabled() and not compat.is_compiling():
+        frame = sys._getframe(1)
+        code = frame.f_code
+        known = _decisions.get(id(code))
+        act = known[1] if known is not None and known[0] is code else _decide(frame, active)
+        if act:
+            return core.all_gather(*args, check=active.check, **kwargs)
+    return wrapped(*args, **kwargs)
+
+
+def _decide(frame: Any, active: _Active) -> bool:
+    module, direct = callers.calling_module(frame)
+    target = active.selection.match(module) if module else None
+    act = False
+    if target is not None:
+        verdict = registry.gate(target, active.force)
+        act = verdict.allowed
+        _announce(target, verdict)
+    if direct:
+        if len(_decisions) >= _MAX_DECISIONS:
+            _decisions.clear()
+        _decisions[id(frame.f_code)] = (frame.f_code, act)
+    return act
+
+
+def _announce(target: registry.Target, verdict: registry.Verdict) -> None:
+    """Log each target's gate verdict once per process."""
+    if target.name in _announced:
+        return
+    _announced.add(target.name)
+    if verdict.allowed:
+        _log.info("memgather rewires calls from %s (%s)", target.name, verdict.reason)
+    else:
+        _log.warning("memgather leaves %s to torch: %s (force=True overrides)", target.name, verdict.reason)
+
+
+def _install() -> None:
+    """Put the wrapper on torch.distributed and distributed_c10d (once)."""
+    global _wrapper
+    c10d = dist.distributed_c10d
+    if _wrapper is None:
+        _wrapper = MemgatherWrapper(c10d.all_gather, _on_call)
+    for owner in (dist, c10d):
+        current = owner.all_gather
+        if _wraps_ours(current):
+            continue  # ours, or someone else's wrapper around ours: re-enabling is enough
+        if current is not _wrapper.__wrapped__:
+            _log.warning("%s.all_gather was replaced by someone else; memgather wraps what is there", _owner_name(owner))
+        _set(owner, "all_gather", _wrapper)
+
+
+def _wraps_ours(function: Any) -> bool:
+    """Whether ``function`` is memgather's wrapper or wraps it (follows ``__wrapped__``)."""
+    for _ in range(32):
+        if function is _wrapper:
+            return True
+        function = getattr(function, "__wrapped__", None)
+        if function is None:
+            return False
+    return False
+
+
+def _rebind_imported(selection: registry.Selection) -> None:
+    """Replace ``all_gather`` names that selected modules imported before patching."""
+    assert _wrapper is not None
+    original = _wrapper.__wrapped__
+    for name, module in list(sys.modules.items()):
+        if module is None or not _selected_module(name, selection):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if value is original:
+                _set(module, attribute, _wrapper)
+
+
+def _selected_module(name: str, selection: registry.Selection) -> bool:
+    if name.startswith("torch.") or name == "torch":
+        return False
+    return selection.match(name) is not None
+
+
+def _set(owner: Any, attribute: str, value: Any) -> None:
+    _installed.append((owner, attribute, getattr(owner, attribute)))
+    setattr(owner, attribute, value)
+
+
+def _restore(owner: Any, attribute: str, previous: Any) -> bool:
+    if getattr(owner, attribute, None) is not _wrapper:
+        return False
+    setattr(owner, attribute, previous)
+    return True
+
+
+def _owner_name(owner: Any) -> str:
+    return owner.__name__ if isinstance(owner, ModuleType) else repr(owner)
+
+
+def _hook_targets(selection: registry.Selection) -> None:
+    """Log each gated target's verdict when its library is imported, never importing it."""
+    for target in selection.targets:
+        if target.distribution is None:
+            continue
+        for prefix in target.prefixes:
+            if prefix not in _hooked:
+                _hooked.add(prefix)
+                wrapt.register_post_import_hook(_on_target_import(target), prefix)
+
+
+def _on_target_import(target: registry.Target) -> Any:
+    def hook(module: ModuleType) -> None:
+        try:  # a hook must never break the user's import
+            active = _active
+            if active is not None and target in active.selection.targets:
+                _announce(target, registry.gate(target, active.force))
+        except Exception:  # noqa: BLE001
+            _log.exception("memgather: checking %s's version failed; it is left to torch", target.name)
+
+    return hook
+
+
+def _configure_logging(level: Optional[int]) -> None:
+    if level is None:
+        return
+    logger = logging.getLogger("memgather")
+    logger.setLevel(level)
+    if not any(getattr(h, "_memgather", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[memgather] %(levelname)s %(message)s"))
+        handler._memgather = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)

@@ -1,0 +1,45 @@
+"""pytest plugin: ``pytest --memgather`` runs an existing test suite with memgather on.
+
+Registered through the ``pytest11`` entry point; inert (and torch-free) unless
+``--memgather`` is given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pytest_addoption(parser: Any) -> None:
+    group = parser.getgroup("memgather", "memgather: rewire torch.distributed.all_gather")
+    group.addoption("--memgather", action="store_true", default=False,
+                    help="patch torch.distributed.all_gather for the selected targets during the run")
+    group.addoption("--memgather-targets", default=None, metavar="T1,T2",
+                    help="comma-separated targets: built-in names, module prefixes, or '*' (default: every built-in)")
+    group.addoption("--memgather-check", action="store_true", default=False,
+                    help="cross-rank shape check on every rewired call")
+
+
+def pytest_configure(config: Any) -> None:
+    if not config.getoption("memgather"):
+        return
+    from memgather import patcher
+
+    raw = config.getoption("memgather_targets")
+    chosen = [t for t in raw.split(",") if t.strip()] if raw else None
+    patcher.patch(chosen, check=True if config.getoption("memgather_check") else None)
+    config._memgather_patched = True
+
+
+def pytest_unconfigure(config: Any) -> None:
+    if getattr(config, "_memgather_patched", False):
+        from memgather import patcher
+
+        patcher.unpatch()
+
+
+def pytest_report_header(config: Any) -> Any:
+    if getattr(config, "_memgather_patched", False):
+        import os
+
+        return f"memgather: patched for {os.environ.get('MEMGATHER_TARGETS') or 'every built-in target'}"
+    return None

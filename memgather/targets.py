@@ -1,0 +1,169 @@
+"""Which callers memgather rewires: the target registry (data) and its version gates.
+
+A target is a library (or any module prefix a user names) whose calls to
+``torch.distributed.all_gather`` memgather may rewire. Built-in targets carry
+the distribution whose installed version must fall in a tested range; that
+version is read from distribution metadata, never by importing the library.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from typing import Dict, Iterable, Optional, Tuple
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+_log = logging.getLogger("memgather")
+
+EVERY_CALLER = "*"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One rewirable caller.
+
+    ``prefixes``: module names whose calls are rewired (a module matches a prefix
+    it equals or lies below). ``distribution``/``versions``: the installed
+    distribution and the PEP 440 range it must satisfy (prereleases allowed);
+    None/"" for no gate. ``elide_audited``: its code drops the gathered list
+    right after concatenating it (cat elision may be on by default).
+    """
+
+    name: str
+    prefixes: Tuple[str, ...]
+    distribution: Optional[str] = None
+    versions: str = ""
+    elide_audited: bool = False
+    note: str = ""
+    family: str = ""  # selecting the family name selects every member
+
+    @property
+    def family_name(self) -> str:
+        return self.family or self.name
+
+
+BUILTIN: Tuple[Target, ...] = (
+    Target("accelerate", ("accelerate",), "accelerate", ">=0.20,<2", True,
+           "gather(): empty_like slots + torch.cat (every release before 0.24.0, and on gloo/CPU after); "
+           "clone() slots before 0.20.0"),
+    Target("deepspeed", ("deepspeed",), "deepspeed", ">=0.9,<1", False,
+           "ZeRO <= 0.12.3: adjacent views of a flat buffer, input in its own slot (direct); later list calls "
+           "in sequence parallel / MoE / Muon may repeat one padding tensor (left to torch)"),
+    Target("transformers", ("transformers",), "transformers", ">=4.0,<6", True,
+           "trainer_pt_utils.distributed_concat: clone() slots + torch.cat, list dropped"),
+    Target("torchmetrics", ("torchmetrics",), "torchmetrics", ">=0.11,<2", False,
+           "gather_all_tensors: zeros_like slots kept as a list; gathered[rank] = local afterwards"),
+    # One family, three distributions released in step: each caller is gated by its own.
+    Target("lightning", ("lightning",), "lightning", ">=2.0,<3", False,
+           "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
+    Target("lightning_fabric", ("lightning_fabric",), "lightning_fabric", ">=2.0,<3", False,
+           "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
+    Target("pytorch_lightning", ("pytorch_lightning",), "pytorch_lightning", ">=2.0,<3", False,
+           "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
+    Target("open_clip", ("open_clip",), "open_clip_torch", ">=2.0,<4", False,
+           "gather_features: zeros_like slots, gathered[rank] = local, then torch.cat"),
+    Target("fairseq", ("fairseq",), "fairseq", ">=0.10,<1", False, "all_gather_list / distributed_utils: slots kept"),
+    Target("mmengine", ("mmengine",), "mmengine", ">=0.7,<1", False, "dist.all_gather: slots kept as a list"),
+)
+
+_BY_NAME: Dict[str, Tuple[Target, ...]] = {}
+for _target in BUILTIN:
+    for _key in {_target.name, _target.family_name}:
+        _BY_NAME[_key] = _BY_NAME.get(_key, ()) + (_target,)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The targets one ``patch()`` selected; ``every`` means any caller at all."""
+
+    targets: Tuple[Target, ...]
+    every: bool = False
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return ((EVERY_CALLER,) if self.every else ()) + tuple(t.name for t in self.targets)
+
+    def match(self, module: str) -> Optional[Target]:
+        """The target whose longest prefix contains ``module``, if any."""
+        best: Optional[Target] = None
+        best_length = -1
+        for target in self.targets:
+            for prefix in target.prefixes:
+                if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
+                    best, best_length = target, len(prefix)
+        if best is None and self.every and not _is_own(module):
+            return _EVERY
+        return best
+
+
+_EVERY = Target(EVERY_CALLER, (), note="every caller")
+
+
+def _is_own(module: str) -> bool:
+    return module == "memgather" or module.startswith("memgather.")
+
+
+def select(names: Optional[Iterable[str]] = None) -> Selection:
+    """Built-in target names, module prefixes of one's own, or "*" for every caller.
+
+    ``None`` selects every built-in target.
+    """
+    if names is None:
+        return Selection(BUILTIN)
+    if isinstance(names, str):
+        raise TypeError(f"targets must be a list of names, not the string {names!r} (did you mean [{names!r}]?)")
+    chosen = []
+    every = False
+    for raw in names:
+        name = raw.strip()
+        if name == EVERY_CALLER:
+            every = True
+        elif name in _BY_NAME:
+            chosen.extend(_BY_NAME[name])
+        elif _is_module_name(name):
+            chosen.append(Target(name, (name,), note="named by the user"))
+        else:
+            raise ValueError(f"target {raw!r} is neither a built-in target ({', '.join(_BY_NAME)}), "
+                             "a dotted module name, nor '*'")
+    return Selection(tuple(dict.fromkeys(chosen)), every)
+
+
+def _is_module_name(name: str) -> bool:
+    return bool(name) and all(part.isidentifier() for part in name.split("."))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a target's installed version passed its gate, and why."""
+
+    allowed: bool
+    version: Optional[str]
+    reason: str
+
+
+@lru_cache(maxsize=None)
+def gate(target: Target, force: bool = False) -> Verdict:
+    """Check ``target``'s installed version against its range (cached)."""
+    if target.distribution is None:
+        return Verdict(True, None, "no version gate")
+    try:
+        installed = metadata.version(target.distribution)
+    except metadata.PackageNotFoundError:
+        return _forced(force, Verdict(False, None, f"distribution {target.distribution!r} is not installed"))
+    try:
+        inside = SpecifierSet(target.versions).contains(Version(installed), prereleases=True)
+    except (InvalidVersion, InvalidSpecifier) as error:
+        return _forced(force, Verdict(False, installed, f"cannot compare version {installed!r}: {error}"))
+    if inside:
+        return Verdict(True, installed, f"{target.distribution} {installed} is inside {target.versions or 'any'}")
+    return _forced(force, Verdict(False, installed, f"{target.distribution} {installed} is outside the tested range {target.versions}"))
+
+
+def _forced(force: bool, verdict: Verdict) -> Verdict:
+    if not force:
+        return verdict
+    return Verdict(True, verdict.version, f"{verdict.reason}; forced")

@@ -1,0 +1,138 @@
+"""patch() / unpatch(): scoping to target callers, symmetry, idempotence, threads."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from typing import Any, Iterator
+
+import pytest
+import torch.distributed as dist
+import wrapt
+
+import memgather
+from memgather import patcher
+from tests.conftest import unwrap
+from tests.ranks import scoped_calls
+
+ORIGINAL = dist.distributed_c10d.all_gather
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("MEMGATHER", "MEMGATHER_TARGETS", "MEMGATHER_CHECK", "MEMGATHER_FORCE", "MEMGATHER_REPORT"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    memgather.unpatch()
+    assert dist.all_gather is ORIGINAL and dist.distributed_c10d.all_gather is ORIGINAL
+
+
+def test_target_calls_are_rewired_and_others_are_not(pools: Any) -> None:
+    for result in unwrap(pools(2).run(scoped_calls, ["tests.sites.target_caller", "tests.sites.from_import_caller"])):
+        assert result["target"] == {"rewired": 1, "correct": True}
+        assert result["other"] == {"rewired": 0, "correct": True}
+        assert result["from_import"] == {"rewired": 1, "correct": True}
+        # all_gather_object gathers twice through distributed_c10d.all_gather: sizes, then bytes
+        assert result["objects"]["correct"] and result["objects"]["rewired"] == 2
+        assert result["disabled"] == {"calls": 0}
+        assert result["after_unpatch"] == {"calls": 0}
+
+
+def test_every_caller(pools: Any) -> None:
+    for result in unwrap(pools(2).run(scoped_calls, ["*"])):
+        assert result["target"]["rewired"] == result["other"]["rewired"] == 1
+
+
+def test_patch_unpatch_restore_every_name() -> None:
+    module = types.ModuleType("mg_test_target")
+    module.all_gather = dist.all_gather  # what `from torch.distributed import all_gather` leaves
+    sys.modules["mg_test_target"] = module
+    try:
+        assert memgather.patch(["mg_test_target"])
+        assert isinstance(dist.all_gather, patcher.MemgatherWrapper)
+        assert dist.distributed_c10d.all_gather is dist.all_gather is module.all_gather
+        assert memgather.is_patched()
+        assert memgather.unpatch()
+        assert not memgather.is_patched()
+        assert module.all_gather is ORIGINAL
+        assert not memgather.unpatch()  # a second unpatch is a no-op
+    finally:
+        del sys.modules["mg_test_target"]
+
+
+def test_patch_is_idempotent() -> None:
+    memgather.patch(["a.b"])
+    first = dist.all_gather
+    memgather.patch(["c"])
+    assert dist.all_gather is first and first.__wrapped__ is ORIGINAL
+
+
+def test_patch_exports_settings_and_unpatch_restores_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setenv("MEMGATHER_CHECK", "0")
+    memgather.patch(["accelerate", "mypkg"], check=True)
+    assert os.environ["MEMGATHER"] == "1"
+    assert os.environ["MEMGATHER_TARGETS"] == "accelerate,mypkg"
+    assert os.environ["MEMGATHER_CHECK"] == "1"
+    memgather.unpatch()
+    assert "MEMGATHER" not in os.environ and os.environ["MEMGATHER_CHECK"] == "0"
+
+
+def test_kill_switch_makes_patch_a_no_op(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("MEMGATHER", "0")
+    with caplog.at_level("INFO", logger="memgather"):
+        assert memgather.patch() is False
+    assert dist.all_gather is ORIGINAL and not memgather.is_patched()
+    assert "MEMGATHER=0" in caplog.text
+
+
+def test_wrapper_above_ours_is_kept_and_ours_disabled(caplog: pytest.LogCaptureFixture) -> None:
+    memgather.patch(["x"])
+    ours = dist.all_gather
+    outer = wrapt.FunctionWrapper(ours, lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+    dist.all_gather = outer
+    try:
+        with caplog.at_level("WARNING", logger="memgather"):
+            memgather.unpatch()
+        assert dist.all_gather is outer and not memgather.is_patched()
+        assert "another wrapper sits above memgather's on torch.distributed.all_gather" in caplog.text
+        memgather.patch(["x"])  # re-enables in place: no second layer of ours
+        assert dist.all_gather is outer and outer.__wrapped__ is ours and memgather.is_patched()
+    finally:
+        memgather.unpatch()
+        dist.all_gather = ORIGINAL
+        patcher._installed.clear()
+        patcher._wrapper = None
+
+
+def test_patch_and_unpatch_from_eight_threads_end_consistent() -> None:
+    barrier = threading.Barrier(8)
+
+    def churn(index: int) -> None:
+        barrier.wait()
+        for _ in range(50):
+            memgather.patch(["t%d" % index])
+            memgather.unpatch()
+        memgather.patch(["t%d" % index])
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert memgather.is_patched()
+    assert isinstance(dist.all_gather, patcher.MemgatherWrapper) and dist.all_gather.__wrapped__ is ORIGINAL
+    assert dist.distributed_c10d.all_gather is dist.all_gather
+    memgather.unpatch()
+    assert dist.all_gather is ORIGINAL and dist.distributed_c10d.all_gather is ORIGINAL
+    assert patcher._installed == []
+
+
+def test_targets_argument_must_be_a_list() -> None:
+    with pytest.raises(TypeError, match="did you mean"):
+        memgather.patch("accelerate")
+    with pytest.raises(ValueError, match="'not a module!' is neither a built-in target"):
+        memgather.patch(["not a module!"])
+    assert not memgather.is_patched()
