@@ -1,0 +1,107 @@
+"""The ways in, each run for real in a fresh interpreter: the CLI, the pytest plugin,
+pure-Python wrapt, and MEMGATHER=1 through memgather.pth in a real virtual environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def _run(args: List[str], env: Dict[str, str] = None, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
+    full_env.update(env or {})
+    return subprocess.run(args, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
+
+
+def test_cli_run_sets_the_environment_and_execs() -> None:
+    done = _run([PYTHON, "-m", "memgather", "run", "--targets", "accelerate", "moco", "--check", "--",
+                 PYTHON, "-c", "import os, json; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('MEMGATHER')}))"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"MEMGATHER": "1", "MEMGATHER_TARGETS": "accelerate,moco", "MEMGATHER_CHECK": "1"}
+
+
+def test_cli_run_errors_name_the_problem() -> None:
+    assert _run([PYTHON, "-m", "memgather", "run"]).returncode == 2
+    missing = _run([PYTHON, "-m", "memgather", "run", "--", "no-such-command-mg"])
+    assert missing.returncode == 127 and "command not found: no-such-command-mg" in missing.stderr
+
+
+def test_cli_help_lists_the_commands() -> None:
+    done = _run([PYTHON, "-m", "memgather", "--help"])
+    assert done.returncode == 0 and all(word in done.stdout for word in ("run", "doctor", "bench"))
+
+
+def test_doctor_reports_and_exits_zero_when_usable() -> None:
+    done = _run([PYTHON, "-m", "memgather", "doctor"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    for expected in ("torch 2.", "single-tensor all-gather: all_gather_single", "gloo yes", "accelerate",
+                     "pytorch_lightning", ".pth:", "verdict: usable"):
+        assert expected in done.stdout
+
+
+def test_doctor_names_an_invalid_setting() -> None:
+    done = _run([PYTHON, "-m", "memgather", "doctor"], env={"MEMGATHER_CHECK": "maybe"})
+    assert done.returncode == 1 and "MEMGATHER_CHECK='maybe' is not a boolean" in done.stdout
+
+
+def test_pytest_plugin_patches_an_unedited_suite(tmp_path: Path) -> None:
+    (tmp_path / "test_legacy.py").write_text(textwrap.dedent(
+        """
+        import os
+        import memgather
+
+        def test_runs_patched():
+            assert memgather.is_patched()
+            assert os.environ["MEMGATHER_TARGETS"] == "legacy_pkg"
+            assert os.environ["MEMGATHER_CHECK"] == "1"
+        """
+    ))
+    done = _run([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "--memgather", "--memgather-targets", "legacy_pkg",
+                 "--memgather-check", str(tmp_path / "test_legacy.py")], cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "memgather: patched for legacy_pkg" in done.stdout
+    inert = _run([PYTHON, "-m", "pytest", "-p", "no:cacheprovider", str(tmp_path / "test_legacy.py")], cwd=tmp_path)
+    assert inert.returncode == 1  # without --memgather nothing is patched
+
+
+SCOPED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, {root!r})
+    import torch, torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import memgather, wrapt
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    memgather.patch(["tests.sites.target_caller"])
+    from tests.sites import other_caller, target_caller
+    counts = []
+    for module in (target_caller, other_caller, target_caller):
+        memgather.reset_stats()
+        module.gather(torch.ones(3))
+        counts.append(memgather.stats().rewired)
+    base = type(dist.all_gather).__mro__[1]
+    print(json.dumps({{"counts": counts, "c_extension": base.__module__ == "_wrappers"}}))
+    """
+)
+
+
+@pytest.mark.parametrize("pure_python", [False, True], ids=["wrapt-c-extension", "wrapt-pure-python"])
+def test_caller_scoping_with_and_without_wrapts_extension(pure_python: bool) -> None:
+    env = {"WRAPT_DISABLE_EXTENSIONS": "1"} if pure_python else {}
+    done = _run([PYTHON, "-c", SCOPED_SCRIPT.format(root=str(ROOT))], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["c_extension"] is not pure_python
+    assert result["counts"] == [1, 0, 1]

@@ -1,0 +1,110 @@
+"""The target registry and its version gates, on real distribution metadata."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from memgather import targets
+from memgather.targets import Target
+
+
+@pytest.fixture()
+def installed(tmp_path: Path) -> Iterator[Path]:
+    """A site directory holding real .dist-info metadata of made-up distributions."""
+    for name, version in (("mg_fake_release", "1.4.2"), ("mg_fake_pre", "2.0.0rc1"), ("mg_fake_odd", "not-a-version")):
+        info = tmp_path / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    package = tmp_path / "mg_fake_release"
+    package.mkdir()
+    (package / "__init__.py").write_text("IMPORTED = True\n")
+    sys.path.insert(0, str(tmp_path))
+    targets.gate.cache_clear()
+    yield tmp_path
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("mg_fake_release", None)
+    targets.gate.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "distribution,versions,allowed,reason",
+    [
+        ("mg_fake_release", ">=1.0,<2", True, "mg_fake_release 1.4.2 is inside >=1.0,<2"),
+        ("mg_fake_release", ">=1.5", False, "mg_fake_release 1.4.2 is outside the tested range >=1.5"),
+        ("mg_fake_pre", ">=2.0.0rc1,<3", True, "mg_fake_pre 2.0.0rc1 is inside"),  # prereleases count
+        ("mg_fake_pre", "<2.0.0rc1", False, "outside"),
+        ("mg_fake_odd", ">=1", False, "cannot compare version 'not-a-version'"),
+        ("mg_not_installed_anywhere", ">=1", False, "'mg_not_installed_anywhere' is not installed"),
+    ],
+)
+def test_gate(installed: Path, distribution: str, versions: str, allowed: bool, reason: str) -> None:
+    verdict = targets.gate(Target("t", ("t",), distribution, versions))
+    assert verdict.allowed is allowed
+    assert reason in verdict.reason
+
+
+def test_force_overrides_a_failed_gate(installed: Path) -> None:
+    verdict = targets.gate(Target("t", ("t",), "mg_fake_release", ">=9"), force=True)
+    assert verdict.allowed and verdict.reason.endswith("; forced")
+
+
+def test_gate_reads_metadata_without_importing(installed: Path) -> None:
+    targets.gate(Target("t", ("mg_fake_release",), "mg_fake_release", ">=1"))
+    assert "mg_fake_release" not in sys.modules
+
+
+def test_builtin_registry_is_complete_data() -> None:
+    names = {t.family_name for t in targets.BUILTIN}
+    assert names == {"accelerate", "deepspeed", "transformers", "torchmetrics", "lightning", "open_clip", "fairseq", "mmengine"}
+    for target in targets.BUILTIN:
+        assert target.prefixes and target.distribution and target.versions and target.note
+    lightning = targets.select(["lightning"])
+    assert {p for t in lightning.targets for p in t.prefixes} == {"lightning", "lightning_fabric", "pytorch_lightning"}
+
+
+@pytest.mark.parametrize(
+    "module,expected",
+    [("accelerate", "accelerate"), ("accelerate.utils.operations", "accelerate"), ("accelerated", None),
+     ("mypkg.eval.metrics", "mypkg.eval"), ("mypkg.train", None), ("moco.builder", "moco")],
+)
+def test_match_by_module_prefix(module: str, expected: str) -> None:
+    chosen = targets.select(["accelerate", "mypkg.eval", "moco"]).match(module)
+    assert (chosen.name if chosen else None) == expected
+
+
+def test_every_caller_but_memgather_itself() -> None:
+    every = targets.select(["*"])
+    assert every.match("anything.at.all").name == "*"
+    assert every.match("memgather.core") is None
+
+
+def test_default_selection_is_every_builtin() -> None:
+    assert targets.select(None).targets == targets.BUILTIN
+
+
+def test_version_verdict_is_logged_when_the_library_is_imported(installed: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The gate runs from a post-import hook: nothing is imported early, the verdict shows on import."""
+    import importlib
+
+    import memgather
+
+    info = installed / "mmengine-0.5.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mmengine\nVersion: 0.5.0\n")
+    (installed / "mmengine").mkdir()
+    (installed / "mmengine" / "__init__.py").write_text("")
+    try:
+        with caplog.at_level("INFO", logger="memgather"):
+            memgather.patch(["mmengine"])
+            assert "mmengine" not in sys.modules
+            assert "leaves mmengine" not in caplog.text
+            importlib.import_module("mmengine")
+        assert "memgather leaves mmengine to torch: mmengine 0.5.0 is outside the tested range >=0.7,<1" in caplog.text
+    finally:
+        memgather.unpatch()
+        sys.modules.pop("mmengine", None)
