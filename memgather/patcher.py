@@ -137,6 +137,7 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 
 def _decide(frame: Any, active: _Active) -> bool:
+    report.remember_rank()
     module, direct = callers.calling_module(frame)
     target = active.selection.match(module) if module else None
     act = False

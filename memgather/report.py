@@ -5,23 +5,34 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from typing import Optional
 
-_installed_mode = "off"
+_mode = "off"
+_rank: Optional[int] = None
 
 
 def install(mode: str) -> None:
     """Register the exit report ("off", "rank0" or "all"); the latest mode wins."""
-    global _installed_mode
-    if _installed_mode == "off" and mode != "off":
+    global _mode
+    if _mode == "off" and mode != "off":
         atexit.register(_report)
-    _installed_mode = mode
+    _mode = mode
+
+
+def remember_rank() -> None:
+    """Note this process's global rank while a process group exists (it may not at exit)."""
+    global _rank
+    if _rank is None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            _rank = dist.get_rank()
 
 
 def _report() -> None:
-    if _installed_mode == "off":
-        return
-    rank = _rank()
-    if _installed_mode == "rank0" and rank != 0:
+    rank = _rank if _rank is not None else _rank_from_environment()
+    # A process that never joined a group (a launcher, say) is not a rank: no line.
+    if _mode == "off" or rank is None or (_mode == "rank0" and rank != 0):
         return
     from memgather.counters import stats
 
@@ -30,12 +41,6 @@ def _report() -> None:
     sys.stderr.flush()
 
 
-def _rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:  # noqa: BLE001 - at exit, torch may be half torn down
-        pass
-    return int(os.environ.get("RANK", "0") or 0)
+def _rank_from_environment() -> Optional[int]:
+    value = os.environ.get("RANK", "")
+    return int(value) if value.isdigit() else None

@@ -1,0 +1,85 @@
+"""MEMGATHER=1 through memgather.pth, in a real virtual environment with memgather
+installed from its wheel (not editable), running a real 2-process gloo job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any, Dict, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "venv_job"
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh venv: memgather from a freshly built wheel; torch & co. from this
+    environment's site-packages, added as a plain path (its .pth files stay unprocessed), named to come before memgather.pth as site-packages order would have it."""
+    base = tmp_path_factory.mktemp("pth")
+    wheels = base / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+                   check=True, capture_output=True, timeout=300)
+    wheel = next(wheels.glob("memgather-*.whl"))
+    env_dir = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
+    python = env_dir / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    (site / "aa_outer_site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    yield python
+
+
+def _job(python: Path, **env: str) -> Any:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
+    clean.update(env)
+    done = subprocess.run([str(python), str(JOB / "job.py")], capture_output=True, text=True, env=clean, cwd=JOB, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_wheel_carries_the_pth(venv: Path) -> None:
+    site = next(venv.parent.parent.glob("lib/python*/site-packages"))
+    assert (site / "memgather.pth").read_text().startswith("import os;")
+    assert not (site / "memgather" / "__init__.py").is_symlink()
+
+
+def test_memgather_1_rewires_target_callers_only(venv: Path) -> None:
+    for rank in _job(venv, MEMGATHER="1", MEMGATHER_TARGETS="mgtarget", MEMGATHER_REPORT="all"):
+        assert rank["patched"] and "site-packages" in rank["memgather_file"]
+        assert rank["target"] == 1 and rank["other"] == 0
+        assert rank["target_correct"] and rank["other_correct"]
+
+
+def test_unset_nothing_is_patched(venv: Path) -> None:
+    for rank in _job(venv):
+        assert not rank["patched"] and rank["target"] == 0
+
+
+def test_kill_switch_beats_patch_in_code(venv: Path) -> None:
+    for rank in _job(venv, MEMGATHER="0", CALL_PATCH="1", MEMGATHER_TARGETS="mgtarget"):
+        assert not rank["patched"] and rank["target"] == 0 and rank["target_correct"]
+
+
+def test_report_at_exit(venv: Path) -> None:
+    clean: Dict[str, str] = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
+    clean.update(MEMGATHER="1", MEMGATHER_TARGETS="mgtarget", MEMGATHER_REPORT="all")
+    done = subprocess.run([str(venv), str(JOB / "job.py")], capture_output=True, text=True, env=clean, cwd=JOB, timeout=300)
+    assert "[memgather rank 0] memgather:" in done.stderr and "[memgather rank 1] memgather:" in done.stderr
+
+
+def test_pth_processed_twice_is_harmless(venv: Path) -> None:
+    site = next(venv.parent.parent.glob("lib/python*/site-packages"))
+    script = f"import site; site.addsitedir({str(site)!r}); import torch.distributed as dist, memgather; print(type(dist.all_gather).__mro__[0].__name__, memgather.is_patched())"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
+    clean.update(MEMGATHER="1")
+    done = subprocess.run([str(venv), "-c", script], capture_output=True, text=True, env=clean, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["MemgatherWrapper", "True"]
