@@ -1,4 +1,4 @@
-"""``python -m memgather.bench``: peak memory and time of a gather, torch vs memgather.
+"""``memgather bench``: peak memory and time of a gather, torch vs memgather.
 
 Each mode runs in fresh processes (``--world-size`` ranks on gloo, one
 process group per mode), on the same data, and the table compares them. Peak
@@ -38,8 +38,13 @@ class RankResult:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.overhead:
+        from memgather import overhead
+
+        print(overhead.table(overhead.measure()))
+        return 0
     if not rss.available():
-        print("memgather.bench needs Linux's /proc/self/clear_refs to reset the peak RSS; not found here.", file=sys.stderr)
+        print("memgather bench needs Linux's /proc/self/clear_refs to reset the peak RSS; not found here.", file=sys.stderr)
         return 2
     shape = SEED_SHAPE if args.shape == "seed" else tuple(int(d) for d in args.shape.split(","))
     results = {}
@@ -56,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m memgather.bench",
+        prog="memgather bench",
         description="Measure peak memory and time of all_gather into fresh empty_like slots, "
         "torch's own vs memgather's, on gloo ranks of this machine.",
     )
@@ -67,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
     parser.add_argument("--repeat", type=int, default=5, help="gathers per mode; times are medians (default 5)")
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    parser.add_argument("--overhead", action="store_true",
+                        help="instead: microseconds memgather adds per call (torch's no-op 'fake' backend, in-process)")
     return parser
 
 
@@ -90,7 +97,10 @@ def _rank_main(rank: int, world: int, port: int, mode: str, shape: Tuple[int, ..
     import memgather
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    gather = memgather.all_gather if mode == "memgather" else dist.all_gather
+    from memgather.core import original_all_gather
+
+    # torch's own function, even if MEMGATHER=1 patched this process at start-up
+    gather = memgather.all_gather if mode == "memgather" else original_all_gather()
     generator = torch.Generator().manual_seed(rank)
     tensor = (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype))
     peaks, seconds, digest = [], [], ""

@@ -24,7 +24,7 @@ class Stats:
     "broadcast"), ``fallbacks`` fallback calls per reason. ``bytes_saved`` is
     what the backend's gathered-size temporary would have cost on the
     unpatched path, summed over calls whose route avoids it (a model, not a
-    measurement: ``memgather.bench`` measures).
+    measurement: ``memgather bench`` measures).
     """
 
     by_strategy: Mapping[str, int] = field(default_factory=dict)
