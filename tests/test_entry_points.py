@@ -105,3 +105,17 @@ def test_caller_scoping_with_and_without_wrapts_extension(pure_python: bool) -> 
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["c_extension"] is not pure_python
     assert result["counts"] == [1, 0, 1]
+
+
+def test_memgather_log_sends_messages_to_stderr() -> None:
+    script = "import memgather; memgather.patch(['mypkg']); memgather.unpatch()"
+    done = _run([PYTHON, "-c", script], env={"MEMGATHER_LOG": "INFO"})
+    assert done.returncode == 0, done.stderr
+    assert "[memgather] INFO memgather patched all_gather for mypkg" in done.stderr
+    quiet = _run([PYTHON, "-c", script])
+    assert "memgather patched" not in quiet.stderr
+
+
+def test_a_bad_log_level_is_named() -> None:
+    done = _run([PYTHON, "-c", "import memgather; memgather.patch()"], env={"MEMGATHER_LOG": "LOUD"})
+    assert done.returncode == 1 and "MEMGATHER_LOG='LOUD' is not a logging level" in done.stderr

@@ -83,3 +83,14 @@ def test_pth_processed_twice_is_harmless(venv: Path) -> None:
     done = subprocess.run([str(venv), "-c", script], capture_output=True, text=True, env=clean, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["MemgatherWrapper", "True"]
+
+
+def test_memgather_run_in_front_of_torchrun(venv: Path) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
+    command = [str(venv), "-m", "memgather", "run", "--targets", "mgtarget", "--report", "all", "--",
+               str(venv), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "torchrun_job.py"]
+    done = subprocess.run(command, capture_output=True, text=True, env=clean, cwd=JOB, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[memgather rank {rank}] memgather: 1 calls, 1 rewired (rebind=1)" in done.stderr
+    assert done.stderr.count("[memgather rank") == 2  # the launcher is not a rank: no line of its own
