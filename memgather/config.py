@@ -6,6 +6,7 @@
 | ``MEMGATHER_TARGETS`` | comma-separated names | targets to rewire (built-in names, module prefixes, ``*``); unset: every built-in |
 | ``MEMGATHER_CHECK`` | boolean | cross-rank shape check on every rewired call |
 | ``MEMGATHER_FORCE`` | boolean | rewire targets whose installed version is outside the tested range |
+| ``MEMGATHER_ELIDE`` | unset, boolean | cat elision: unset = audited targets only, 1 = every rewired call, 0 = never |
 | ``MEMGATHER_LOG`` | a logging level name | log memgather's messages at that level to stderr |
 | ``MEMGATHER_REPORT`` | ``1``/``rank0``, ``all``, ``0`` | statistics at exit: rank 0 only, or every rank |
 """
@@ -30,6 +31,7 @@ class Settings:
     targets: Optional[Tuple[str, ...]] = None
     check: bool = False
     force: bool = False
+    elide: Optional[bool] = None
     log_level: Optional[int] = None
     report: str = "off"
 
@@ -54,9 +56,14 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
         targets=None if raw_targets is None else tuple(t.strip() for t in raw_targets.split(",") if t.strip()),
         check=parse_bool("MEMGATHER_CHECK", env.get("MEMGATHER_CHECK", "")),
         force=parse_bool("MEMGATHER_FORCE", env.get("MEMGATHER_FORCE", "")),
+        elide=_optional_bool("MEMGATHER_ELIDE", env.get("MEMGATHER_ELIDE", "")),
         log_level=_parse_level(env.get("MEMGATHER_LOG", "")),
         report=_parse_report(env.get("MEMGATHER_REPORT", "")),
     )
+
+
+def _optional_bool(name: str, value: str) -> Optional[bool]:
+    return None if value.strip() == "" else parse_bool(name, value)
 
 
 def _parse_level(value: str) -> Optional[int]:
@@ -78,13 +85,16 @@ def _parse_report(value: str) -> str:
     return _REPORTS[key]
 
 
-def export(enabled: bool, targets: Tuple[str, ...], check: bool, force: bool) -> Mapping[str, Optional[str]]:
+def export(
+    enabled: bool, targets: Tuple[str, ...], check: bool, force: bool, elide: Optional[bool]
+) -> Mapping[str, Optional[str]]:
     """Write settings to ``os.environ`` so spawned children re-patch; returns the previous values."""
     values = {
         "MEMGATHER": "1" if enabled else "0",
         "MEMGATHER_TARGETS": ",".join(targets),
         "MEMGATHER_CHECK": "1" if check else "0",
         "MEMGATHER_FORCE": "1" if force else "0",
+        "MEMGATHER_ELIDE": "" if elide is None else ("1" if elide else "0"),
     }
     previous = {name: os.environ.get(name) for name in values}
     os.environ.update(values)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
-from memgather import agreement, compat, config, counters, routes, slots
+from memgather import agreement, compat, config, counters, elision, routes, slots
 from memgather.strategies import DIRECT, Plan, Reason, fallback, plan
 
 _log = logging.getLogger("memgather")
@@ -40,6 +40,7 @@ def all_gather(
     async_op: bool = False,
     *,
     check: Optional[bool] = None,
+    elide: Optional[bool] = None,
 ) -> Any:
     """Drop-in for ``torch.distributed.all_gather``, gathering into one flat buffer.
 
@@ -51,7 +52,10 @@ def all_gather(
 
     ``check`` (default: ``MEMGATHER_CHECK``) adds one small collective that
     raises ``UnevenShapesError`` on every rank when the ranks' inputs differ
-    while the slots are even.
+    while the slots are even. ``elide`` (default: ``MEMGATHER_ELIDE``, else
+    off) lets a following ``torch.cat(tensor_list)`` / ``torch.stack`` return
+    the gathered buffer itself instead of a copy: only for code that drops
+    the list after concatenating it (see ``memgather.elision``).
     """
     check = _settings.check if check is None else check
     reason = _precondition(tensor, group)
@@ -73,7 +77,7 @@ def all_gather(
         chosen = _agree(chosen, tensor_list, tensor, world, check)
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
-    return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered)
+    return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, bool(_settings.elide) if elide is None else elide)
 
 
 def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = None) -> torch.Tensor:
@@ -137,6 +141,8 @@ def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, 
 
 def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:
     counters.record("fallback", reason=reason.value if reason else None)
+    if type(tensor_list) is list and elision.any_given(tensor_list):
+        elision.detach(tensor_list)  # torch writes in place: never into a result handed out
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("all_gather falls back to torch: %s", reason.value if reason else "unknown")
     return _original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
@@ -150,9 +156,16 @@ def _rewire(
     group: Any,
     async_op: bool,
     gathered: int,
+    elide: bool,
 ) -> Any:
     counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
-    flat = slots.region(tensor_list) if chosen is DIRECT else slots.rebind(tensor_list)
+    if chosen is DIRECT:
+        flat = slots.region(tensor_list)
+    else:
+        flat = slots.rebind(tensor_list)
+        elision.forget(tensor_list)
+        if elide:
+            elision.arm(tensor_list, flat)
     work = routes.run(route, flat, tensor, group, async_op)
     if chosen is DIRECT:
         slots.bump_versions(tensor_list)

@@ -41,6 +41,7 @@ class _Active:
     selection: registry.Selection
     check: bool
     force: bool
+    elide: Optional[bool]  # None: audited targets only
 
 
 _lock = threading.RLock()
@@ -49,7 +50,7 @@ _wrapper: Optional[MemgatherWrapper] = None
 _installed: List[Tuple[Any, str, Any]] = []  # (owner, attribute, value it replaced)
 # Keyed by id(code), holding the code object so the id cannot be reused: code
 # objects compare by value, and two modules' identical functions are "equal".
-_decisions: Dict[int, Tuple[CodeType, bool]] = {}
+_decisions: Dict[int, Tuple[CodeType, bool, bool]] = {}  # id -> (code, rewire?, elide?)
 _exported: Optional[Dict[str, Optional[str]]] = None
 _hooked: set = set()
 _announced: set = set()
@@ -60,6 +61,7 @@ def patch(
     *,
     check: Optional[bool] = None,
     force: Optional[bool] = None,
+    elide: Optional[bool] = None,
 ) -> bool:
     """Rewire ``torch.distributed.all_gather`` for the selected callers.
 
@@ -68,7 +70,9 @@ def patch(
     built-in target). ``check``: cross-rank shape check on every rewired call
     (default ``MEMGATHER_CHECK``). ``force``: rewire targets whose installed
     version is outside the tested range (default ``MEMGATHER_FORCE``).
-    Idempotent and thread-safe; calling it again replaces the settings. Also
+    ``elide``: let ``torch.cat`` of the gathered list return the gathered
+    buffer (default ``MEMGATHER_ELIDE``; unset: only for targets audited to
+    drop the list after concatenating). Idempotent and thread-safe; calling it again replaces the settings. Also
     exports the settings to the environment, so spawned children re-patch.
     Returns False, doing nothing, when ``MEMGATHER=0``.
     """
@@ -79,13 +83,18 @@ def patch(
         _log.info("MEMGATHER=0: patch() does nothing")
         return False
     selection = registry.select(targets if targets is not None else settings.targets)
-    active = _Active(selection, settings.check if check is None else check, settings.force if force is None else force)
+    active = _Active(
+        selection,
+        settings.check if check is None else check,
+        settings.force if force is None else force,
+        settings.elide if elide is None else elide,
+    )
     with _lock:
         _install()
         _rebind_imported(selection)
         _decisions.clear()
         _active = active
-        previous = config.export(True, selection.names, active.check, active.force)
+        previous = config.export(True, selection.names, active.check, active.force, active.elide)
         if _exported is None:
             _exported = dict(previous)
         _hook_targets(selection)
@@ -130,26 +139,29 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         frame = sys._getframe(1)
         code = frame.f_code
         known = _decisions.get(id(code))
-        act = known[1] if known is not None and known[0] is code else _decide(frame, active)
-        if act:
-            return core.all_gather(*args, check=active.check, **kwargs)
+        if known is None or known[0] is not code:
+            known = _decide(frame, active)
+        if known[1]:
+            return core.all_gather(*args, check=active.check, elide=known[2], **kwargs)
     return wrapped(*args, **kwargs)
 
 
-def _decide(frame: Any, active: _Active) -> bool:
+def _decide(frame: Any, active: _Active) -> Tuple[CodeType, bool, bool]:
     report.remember_rank()
     module, direct = callers.calling_module(frame)
     target = active.selection.match(module) if module else None
-    act = False
+    act = elide = False
     if target is not None:
         verdict = registry.gate(target, active.force)
         act = verdict.allowed
+        elide = target.elide_audited if active.elide is None else active.elide
         _announce(target, verdict)
+    decision = (frame.f_code, act, elide)
     if direct:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()
-        _decisions[id(frame.f_code)] = (frame.f_code, act)
-    return act
+        _decisions[id(frame.f_code)] = decision
+    return decision
 
 
 def _announce(target: registry.Target, verdict: registry.Verdict) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from memgather import compat
+from memgather import compat, elision
 
 
 class Strategy(str, enum.Enum):
@@ -90,7 +90,9 @@ def plan(tensor_list: Any, tensor: Any, world: int, rank: int) -> Plan:
     problem = _check_input(tensor) or _check_slots(tensor_list, tensor, world)
     if problem is not None:
         return fallback(problem)
-    if _adjacent(tensor_list):
+    # Adjacent slots whose buffer elision handed out as a result must not be
+    # written in place: that would change the result. They are rebound instead.
+    if _adjacent(tensor_list) and not elision.any_given(tensor_list):
         if _input_overlaps_region(tensor, tensor_list, rank):
             return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
         return DIRECT
@@ -127,7 +129,10 @@ def _check_slots(tensor_list: Any, tensor: torch.Tensor, world: int) -> Optional
 
 def _check_slot(slot: Any, tensor: torch.Tensor) -> Optional[Reason]:
     if type(slot) is not torch.Tensor:
-        return Reason.SLOT_SUBCLASS if isinstance(slot, torch.Tensor) else Reason.NOT_A_TENSOR
+        if type(slot) is elision.ElidableSlot:  # reused before being concatenated: plain again
+            elision.disarm(slot)
+        else:
+            return Reason.SLOT_SUBCLASS if isinstance(slot, torch.Tensor) else Reason.NOT_A_TENSOR
     if slot.dtype != tensor.dtype:
         return Reason.DTYPE_MISMATCH
     if slot.device != tensor.device:
@@ -182,7 +187,9 @@ def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
         # ranks could disagree on a permuted layout: contiguous slots only.
         if not slot.is_contiguous():
             return fallback(Reason.SLOT_NOT_CONTIGUOUS)
-        if not compat.holds_storage_alone(slot):
+        # A slot sharing its buffer only with a result elision handed out may
+        # be released: rebinding never writes into that buffer.
+        if not (compat.holds_storage_alone(slot) or elision.is_given(slot)):
             return fallback(Reason.SLOTS_SHARED)
         if slot.untyped_storage().data_ptr() == input_storage:
             return fallback(Reason.INPUT_OVERLAPS_OUTPUT)

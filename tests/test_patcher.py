@@ -21,7 +21,7 @@ ORIGINAL = dist.distributed_c10d.all_gather
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in ("MEMGATHER", "MEMGATHER_TARGETS", "MEMGATHER_CHECK", "MEMGATHER_FORCE", "MEMGATHER_REPORT"):
+    for name in ("MEMGATHER", "MEMGATHER_TARGETS", "MEMGATHER_CHECK", "MEMGATHER_FORCE", "MEMGATHER_ELIDE", "MEMGATHER_REPORT"):
         monkeypatch.delenv(name, raising=False)
     yield
     memgather.unpatch()
@@ -136,3 +136,52 @@ def test_targets_argument_must_be_a_list() -> None:
     with pytest.raises(ValueError, match="'not a module!' is neither a built-in target"):
         memgather.patch(["not a module!"])
     assert not memgather.is_patched()
+
+
+ELIDE_SCRIPT = '''
+import json, sys, types, warnings
+warnings.simplefilter("ignore")
+site = sys.argv[1]
+sys.path.insert(0, site)
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import memgather
+from memgather.elision import ElidableSlot
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+CODE = "import torch, torch.distributed as dist\\ndef gather(t):\\n    s = [torch.empty_like(t) for _ in range(2)]\\n    dist.all_gather(s, t)\\n    return s\\n"
+
+def site_module(name):
+    module = types.ModuleType(name)
+    exec(compile(CODE, name.replace(".", "/") + ".py", "exec"), module.__dict__)
+    sys.modules[name] = module
+    return module
+
+audited, unaudited = site_module("transformers.mg_site"), site_module("mmengine.mg_site")
+memgather.patch(elide=json.loads(sys.argv[2]))
+print(json.dumps([type(m.gather(torch.ones(3))[0]) is ElidableSlot for m in (audited, unaudited)]))
+'''
+
+
+@pytest.mark.parametrize(
+    "elide_argument,environment,expected",
+    [("null", {}, [True, False]), ("null", {"MEMGATHER_ELIDE": "0"}, [False, False]),
+     ("true", {}, [True, True]), ("null", {"MEMGATHER_ELIDE": "1"}, [True, True]), ("false", {}, [False, False])],
+    ids=["audited-only", "env-off", "patch-on", "env-on", "patch-off"],
+)
+def test_elision_defaults_to_audited_targets(tmp_path: Any, elide_argument: str, environment: Any, expected: Any) -> None:
+    """Built-in targets found through real distribution metadata: transformers is audited, mmengine is not."""
+    import json
+    import os
+    import subprocess
+
+    for name, version in (("transformers", "4.40.0"), ("mmengine", "0.10.0")):
+        info = tmp_path / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
+    env.update(environment)
+    done = subprocess.run([sys.executable, "-c", ELIDE_SCRIPT, str(tmp_path), elide_argument],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected

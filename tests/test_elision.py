@@ -1,0 +1,62 @@
+"""Cat / stack elision on real gloo ranks: the buffer itself, only when exactly right."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import unwrap
+from tests.ranks import elision_cases, elision_memory, elision_off_by_default, elision_other_op_disarms_group, elision_reuse
+
+ELIDED = {"cat", "cat_dim0_kw", "cat_negative_dim", "concat", "concatenate", "cat_tuple", "stack", "stack_negative_dim",
+          "cat_after_read", "stack_scalars"}
+# Not exactly the slots, in order, along dim 0 into a new tensor; or a slot was used
+# (written) first, which turns every slot back into a plain tensor.
+COPIED = {"cat_dim1", "stack_dim1", "cat_reversed", "cat_subset", "cat_out", "other_op", "cat_after_add"}
+
+
+@pytest.fixture(scope="module")
+def cases(pools: Any) -> Any:
+    return unwrap(pools(2).run(elision_cases))
+
+
+@pytest.mark.parametrize("name", sorted(ELIDED | COPIED))
+def test_same_values_as_torch_and_zero_copy_only_where_exact(cases: Any, name: str) -> None:
+    for result in cases:
+        got = result[name]
+        assert got["equal"] and got["plain_result"] and got["slots_plain"], got
+        assert got["zero_copy"] is (name in ELIDED), got
+
+
+def test_cat_of_scalars_raises_what_torch_raises(cases: Any) -> None:
+    for result in cases:
+        assert result["cat_scalars"] == {"raised": True}
+
+
+def test_off_unless_asked(pools: Any) -> None:
+    for result in unwrap(pools(2).run(elision_off_by_default)):
+        assert result == {"plain": True, "copy": True}
+
+
+def test_any_other_op_returns_plain_tensors_and_disarms(pools: Any) -> None:
+    for result in unwrap(pools(2).run(elision_other_op_disarms_group)):
+        assert result == {"plain_result": True, "all_plain": True, "cat_copies": True}
+
+
+@pytest.mark.parametrize("second_call,strategy", [("memgather", {"rebind": 1}), ("memgather_elide", {"rebind": 1}),
+                                                  ("memgather_fallback", {"fallback": 1})])
+def test_result_keeps_its_values_when_the_slots_are_reused(pools: Any, second_call: str, strategy: Any) -> None:
+    for result in unwrap(pools(2).run(elision_reuse, second_call)):
+        assert result["result_kept"] and result["slots_new"], result
+        assert result["strategy"] == strategy, result
+
+
+def test_gather_plus_cat_peak_is_the_gathered_size(pools: Any) -> None:
+    """48 MiB per rank: with elision the cat adds nothing; without it, a second gathered size."""
+    on = unwrap(pools(2).run(elision_memory, 12 << 20, True))
+    off = unwrap(pools(2).run(elision_memory, 12 << 20, False))
+    for elided, copied in zip(on, off):
+        assert elided["correct"] and copied["correct"]
+        assert elided["growth"] <= 1.05 * elided["gathered"], elided
+        assert copied["growth"] >= 1.8 * copied["gathered"], copied
