@@ -1,10 +1,12 @@
-"""``memgather bench``: peak memory and time of a gather, torch vs memgather.
+"""``memgather bench``: each caller pattern, unpatched vs under memgather, measured.
 
-Each mode runs in fresh processes (``--world-size`` ranks on gloo, one
-process group per mode), on the same data, and the table compares them. Peak
-memory counts the input plus what the gather adds, like the reference figure
-in Accelerate PR #1968: the resident-set high-water mark, reset through
-``/proc/self/clear_refs`` right before the call (Linux only).
+For every pattern (see ``memgather.patterns``) and each mode, ``--world-size``
+fresh processes join a process group (gloo on CPU; NCCL when CUDA is there
+for every rank), gather the same data ``--repeat`` times and report peak
+memory and time. Peak memory counts the input plus what the gather adds,
+like the reference figure of Accelerate PR #1968: on CUDA
+``torch.cuda.max_memory_allocated``; on CPU the resident-set high-water mark,
+reset through ``/proc/self/clear_refs`` right before the call.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from memgather import rss
+from memgather import patterns, rss
 
 SEED_SHAPE = (64, 224, 224, 64)
 DEFAULT_SHAPE = (16, 224, 224, 16)  # 49 MiB of float32 per rank: about a minute in all on 2 cores
@@ -29,7 +31,7 @@ MODES = ("torch", "memgather")
 
 @dataclass
 class RankResult:
-    """What one rank measured in one mode."""
+    """What one rank measured for one pattern in one mode."""
 
     peaks: List[int]
     seconds: List[float]
@@ -43,126 +45,306 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(overhead.table(overhead.measure()))
         return 0
-    if not rss.available():
-        print("memgather bench needs Linux's /proc/self/clear_refs to reset the peak RSS; not found here.", file=sys.stderr)
+    try:
+        shape = _parse_shape(args.shape)
+        chosen = _parse_patterns(args.patterns)
+    except ValueError as error:
+        print(f"memgather bench: {error}", file=sys.stderr)
         return 2
-    shape = SEED_SHAPE if args.shape == "seed" else tuple(int(d) for d in args.shape.split(","))
-    results = {}
-    for mode in MODES:
-        print(f"[bench] {mode}: {args.world_size} ranks on gloo, shape {shape} {args.dtype}, {args.repeat} repeats", flush=True)
-        results[mode] = _run_mode(mode, args.world_size, shape, args.dtype, args.repeat)
-    rows = [_row("empty_like slots (list)", args.world_size, shape, args.dtype, results)]
-    print(_table(rows))
+    backend = args.backend or _default_backend(args.world_size)
+    if backend == "gloo" and not rss.available():
+        print("memgather bench: on CPU the peak is read from /proc/self/status after resetting it through "
+              "/proc/self/clear_refs, which this system does not have (Linux only).", file=sys.stderr)
+        return 2
+    rows = []
+    for pattern in chosen:
+        results = {}
+        for mode in MODES:
+            started = time.perf_counter()
+            print(f"[bench] {pattern.label:<22} {mode:<9} {args.world_size} ranks, {backend}, shape {shape} {args.dtype}, "
+                  f"{args.repeat} repeats ...", end="", flush=True)
+            results[mode] = _run_mode(pattern.name, mode, backend, args.world_size, shape, args.dtype, args.repeat)
+            print(f" {time.perf_counter() - started:.1f} s", flush=True)
+        rows.append(_row(pattern, backend, args.world_size, shape, args.dtype, results))
+    print(table(rows))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)
+    if args.plot:
+        _plot(rows, args.plot)
     return 0 if all(row["identical"] for row in rows) else 1
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memgather bench",
-        description="Measure peak memory and time of all_gather into fresh empty_like slots, "
-        "torch's own vs memgather's, on gloo ranks of this machine.",
+        description="Peak memory and time of each caller pattern's gather, torch's own all_gather vs the same "
+        "code under memgather (patched; cat elision where memgather's defaults have it for the library the "
+        "pattern stands for), in fresh processes, on this machine.",
+        epilog="Patterns: " + "; ".join(f"{p.name} ({p.stands_for})" for p in patterns.PATTERNS),
     )
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     parser.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)),
-                        help="per-rank shape as comma-separated ints, or 'seed' for (64,224,224,64), "
-                        "the reference shape (default %(default)s)")
+                        help="per-rank shape as comma-separated ints, or 'seed' for (64,224,224,64), the shape "
+                        "of the reference figure (default %(default)s)")
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
-    parser.add_argument("--repeat", type=int, default=5, help="gathers per mode; times are medians (default 5)")
-    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    parser.add_argument("--repeat", type=int, default=5, help="measured gathers per pattern and mode (default 5)")
+    parser.add_argument("--patterns", help="comma-separated subset of: " + ",".join(patterns.BY_NAME))
+    parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA has a GPU per rank, else gloo")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="also draw peak memory per pattern (needs matplotlib: pip install 'memgather[plot]')")
     parser.add_argument("--overhead", action="store_true",
                         help="instead: microseconds memgather adds per call (torch's no-op 'fake' backend, in-process)")
     return parser
 
 
-def _run_mode(mode: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int) -> List[RankResult]:
+def _parse_shape(text: str) -> Tuple[int, ...]:
+    if text == "seed":
+        return SEED_SHAPE
+    try:
+        shape = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise ValueError(f"--shape {text!r}: expected comma-separated integers such as 1024,1024, or 'seed'") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise ValueError(f"--shape {text!r}: every dimension must be positive")
+    return shape
+
+
+def _parse_patterns(text: Optional[str]) -> List[patterns.Pattern]:
+    if not text:
+        return list(patterns.PATTERNS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in patterns.BY_NAME]
+    if unknown:
+        raise ValueError(f"unknown pattern(s) {', '.join(unknown)}; known: {', '.join(patterns.BY_NAME)}")
+    return [patterns.BY_NAME[n] for n in names]
+
+
+def _default_backend(world: int) -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+
+
+def _run_mode(pattern: str, mode: str, backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int) -> List[RankResult]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, world, port, mode, shape, dtype, repeat, queue)) for rank in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, world, port, backend, pattern, mode, shape, dtype, repeat, queue))
+        for rank in range(world)
+    ]
     for proc in procs:
         proc.start()
-    by_rank = dict(queue.get(timeout=3600) for _ in procs)
-    for proc in procs:
-        proc.join()
+    try:
+        by_rank = dict(queue.get(timeout=3600) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+    failed = {rank: result for rank, result in by_rank.items() if isinstance(result, str)}
+    if failed:
+        raise RuntimeError(f"{pattern} ({mode}) failed: " + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
     return [RankResult(**by_rank[rank]) for rank in range(world)]
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, shape: Tuple[int, ...], dtype: str, repeat: int, queue: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, backend: str, pattern: str, mode: str, shape: Tuple[int, ...],
+               dtype: str, repeat: int, queue: Any) -> None:
+    try:
+        result: Any = asdict(_measure(rank, world, port, backend, pattern, mode, shape, dtype, repeat))
+    except Exception as error:  # noqa: BLE001 - reported by the parent
+        result = f"{type(error).__name__}: {error}"
+    queue.put((rank, result))
+    queue.close()
+    queue.join_thread()
+
+
+def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode: str, shape: Tuple[int, ...],
+             dtype: str, repeat: int) -> RankResult:
     import torch
     import torch.distributed as dist
 
     import memgather
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    from memgather.core import original_all_gather
-
-    # torch's own function, even if MEMGATHER=1 patched this process at start-up
-    gather = memgather.all_gather if mode == "memgather" else original_all_gather()
+    torch.set_num_threads(1)  # intra-op threads would only contend with the other ranks
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _pin_main_thread(rank)
+    if mode == "memgather":
+        memgather.patch([patterns.MODULE], elide=patterns.BY_NAME[pattern].elide)
+    else:
+        memgather.unpatch()  # in case MEMGATHER=1 patched this process at start-up
+    gather = patterns.function(pattern, memgather_mode=(mode == "memgather"))
     generator = torch.Generator().manual_seed(rank)
-    tensor = (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype))
+    tensor = (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype)).to(device)
+    meter = _Meter(device)
+    inner = _calls_per_sample(gather, tensor)
     peaks, seconds, digest = [], [], ""
     for index in range(repeat):
-        slots = [torch.empty_like(tensor) for _ in range(world)]
+        meter.reset()  # before the barrier: its cost on one rank must not show as the other's wait
         dist.barrier()
-        rss.reset_peak()
-        before = rss.current_bytes()
-        start = time.perf_counter()
-        gather(slots, tensor)
-        seconds.append(time.perf_counter() - start)
-        peaks.append(tensor.numel() * tensor.element_size() + rss.peak_bytes() - before)
+        result = gather(tensor)
+        meter.synchronize()
+        peaks.append(tensor.numel() * tensor.element_size() + meter.growth())
         if index == 0:
-            digest = _digest(slots)
-        del slots
+            digest = _digest(result)
+        del result
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(inner):
+            gather(tensor)
+        meter.synchronize()
+        seconds.append((time.perf_counter() - start) / inner)
     dist.barrier()
     dist.destroy_process_group()
-    queue.put((rank, asdict(RankResult(peaks, seconds, digest))))
-    queue.close()
-    queue.join_thread()
+    return RankResult(peaks, seconds, digest)
 
 
-def _digest(slots: List[Any]) -> str:
+def _pin_main_thread(rank: int) -> None:
+    """Each rank's calling thread on a core of its own, where the system allows; the
+    backend's worker threads (started before this) stay free to run anywhere. Without
+    it, small timings vary by +-40% between process pairs on a 2-core machine."""
+    import os
+
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})  # 0: this thread only, on Linux
+
+
+def _calls_per_sample(gather: Any, tensor: Any) -> int:
+    """Calls per timing sample: enough for about 50 ms, so that small gathers are not
+    timed against the skew of the barrier before them. The same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    gather(tensor)  # also the warm-up: first-call costs are not the gather's
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=tensor.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return max(1, min(2000, int(0.05 / max(float(elapsed), 1e-6))))
+
+
+class _Meter:
+    """Memory growth since ``reset()``: CUDA allocator peak, or resident-set high-water mark."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.device = device
+        self.cuda = torch.cuda if device.type == "cuda" else None
+        self.before = 0
+
+    def reset(self) -> None:
+        import gc
+
+        gc.collect()
+        if self.cuda is not None:
+            self.cuda.synchronize(self.device)
+            self.cuda.reset_peak_memory_stats(self.device)
+            self.before = self.cuda.memory_allocated(self.device)
+        else:
+            rss.reset_peak()
+            self.before = rss.current_bytes()
+
+    def synchronize(self) -> None:
+        if self.cuda is not None:
+            self.cuda.synchronize(self.device)
+
+    def growth(self) -> int:
+        peak = self.cuda.max_memory_allocated(self.device) if self.cuda is not None else rss.peak_bytes()
+        return peak - self.before
+
+
+def _digest(result: Any) -> str:
     import torch
 
     sha = hashlib.sha256()
-    for slot in slots:
-        sha.update(slot.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for part in result if isinstance(result, (list, tuple)) else [result]:
+        sha.update(part.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
 
 
-def _row(pattern: str, world: int, shape: Tuple[int, ...], dtype: str, results: Dict[str, List[RankResult]]) -> Dict[str, Any]:
+def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, ...], dtype: str,
+         results: Dict[str, List[RankResult]]) -> Dict[str, Any]:
+    import torch
+
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_rank = itemsize
+    for d in shape:
+        per_rank *= d
     peak = {mode: max(max(r.peaks) for r in ranks) for mode, ranks in results.items()}
     median = {mode: statistics.median(max(r.seconds[i] for r in ranks) for i in range(len(ranks[0].seconds)))
               for mode, ranks in results.items()}
-    identical = [r.digest for r in results["torch"]] == [r.digest for r in results["memgather"]]
+    floor = per_rank * (world + 1)  # the input, plus the gathered result that must exist
     return {
-        "pattern": pattern, "backend": "gloo", "world_size": world, "shape": list(shape), "dtype": dtype,
+        "pattern": pattern.name, "label": pattern.label, "stands_for": pattern.stands_for,
+        "backend": backend, "world_size": world, "shape": list(shape), "dtype": dtype,
+        "bytes_per_rank": per_rank, "floor": floor,
         "peak_torch": peak["torch"], "peak_memgather": peak["memgather"],
-        "peak_ratio": peak["memgather"] / peak["torch"],
+        "peak_ratio": peak["memgather"] / peak["torch"], "memgather_vs_floor": peak["memgather"] / floor,
         "time_torch": median["torch"], "time_memgather": median["memgather"],
         "time_ratio": median["memgather"] / median["torch"],
-        "identical": identical,
+        "identical": [r.digest for r in results["torch"]] == [r.digest for r in results["memgather"]],
     }
 
 
-def _table(rows: List[Dict[str, Any]]) -> str:
-    header = ("pattern", "backend", "world", "peak torch", "peak memgather", "ratio", "time torch", "time memgather", "ratio", "identical")
+def table(rows: List[Dict[str, Any]]) -> str:
+    """The rows as an aligned text table."""
+    header = ("pattern", "backend", "world", "peak torch", "peak memgather", "ratio", "memgather/floor",
+              "time torch", "time memgather", "ratio", "identical")
     lines = [header]
     for row in rows:
         lines.append((
-            row["pattern"], row["backend"], str(row["world_size"]),
-            _gib(row["peak_torch"]), _gib(row["peak_memgather"]), f"{row['peak_ratio']:.3f}",
-            f"{row['time_torch'] * 1e3:.1f} ms", f"{row['time_memgather'] * 1e3:.1f} ms", f"{row['time_ratio']:.3f}",
+            row["label"], row["backend"], str(row["world_size"]),
+            _size(row["peak_torch"]), _size(row["peak_memgather"]), f"{row['peak_ratio']:.3f}",
+            f"{row['memgather_vs_floor']:.3f}",
+            _duration(row["time_torch"]), _duration(row["time_memgather"]), f"{row['time_ratio']:.3f}",
             "yes" if row["identical"] else "NO",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines)
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
 
-def _gib(size: int) -> str:
-    return f"{size / (1 << 30):.2f} GiB"
+def _plot(rows: List[Dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("memgather bench: --plot needs matplotlib (pip install 'memgather[plot]'); no plot written.", file=sys.stderr)
+        return
+    labels = [row["label"] for row in rows]
+    positions = range(len(rows))
+    figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    gib = float(1 << 30)
+    axes.bar([p - 0.2 for p in positions], [row["peak_torch"] / gib for row in rows], 0.4, label="torch")
+    axes.bar([p + 0.2 for p in positions], [row["peak_memgather"] / gib for row in rows], 0.4, label="memgather")
+    axes.scatter(list(positions), [row["floor"] / gib for row in rows], marker="_", s=900, color="black",
+                 label="floor (input + gathered)")
+    axes.set_xticks(list(positions))
+    axes.set_xticklabels(labels, rotation=20, ha="right")
+    axes.set_ylabel("peak memory per rank (GiB)")
+    first = rows[0]
+    axes.set_title(f"{first['backend']}, {first['world_size']} ranks, {tuple(first['shape'])} {first['dtype']}")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"[bench] plot written to {path}")
+
+
+def _size(size: float) -> str:
+    if size >= 1 << 30:
+        return f"{size / (1 << 30):.2f} GiB"
+    if size >= 1 << 20:
+        return f"{size / (1 << 20):.1f} MiB"
+    return f"{size / 1024:.1f} KiB"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
 
 def _free_port() -> int:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
-from memgather import agreement, compat, config, counters, elision, routes, slots
-from memgather.strategies import DIRECT, Plan, Reason, fallback, plan
+from memgather import agreement, compat, config, counters, elision, pages, routes, slots
+from memgather.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback, plan
 
 _log = logging.getLogger("memgather")
 
@@ -92,6 +92,7 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
         raise ValueError("memgather.gather: this rank is not a member of the given process group")
     world = dist.get_world_size(group)
     out = torch.empty(slots.flat_shape(tensor.shape, world), dtype=tensor.dtype, device=tensor.device)
+    pages.advise(out)
     all_gather(list(slots.stacked(out, world, tensor.shape).unbind(0)), tensor, group, check=check)
     return out
 
@@ -158,7 +159,13 @@ def _rewire(
     gathered: int,
     elide: bool,
 ) -> Any:
+    if chosen is not DIRECT and route is routes.BROADCAST and not elide and not elision.any_given(tensor_list):
+        chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
     counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
+    if chosen is IN_SLOTS:
+        work = routes.broadcast_into(tensor_list, tensor, group)
+        slots.bump_versions(tensor_list)
+        return work
     if chosen is DIRECT:
         flat = slots.region(tensor_list)
     else:

@@ -30,12 +30,12 @@ World 4 crosses over between 1 and 4 MiB as well. Broadcasts are taken from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from memgather import compat, slots
+from memgather import compat, pages, slots
 
 BROADCAST_MIN_BYTES_PER_RANK = 2 << 20
 
@@ -99,21 +99,26 @@ def choose(backend: str, device: torch.device, gathered_bytes: int, world: int, 
 def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
     """Gather every rank's ``tensor`` into ``flat``; returns what torch would."""
     if route is BROADCAST:
-        return _broadcast_into_views(flat, tensor, group)
+        world = dist.get_world_size(group)
+        return broadcast_into(list(slots.stacked(flat, world, tensor.shape).unbind(0)), tensor, group)
     primitive = compat.single_tensor_primitive().function
     source = tensor.reshape(1) if tensor.dim() == 0 else tensor
     return primitive(flat, source, group=group, async_op=async_op)
 
 
-def _broadcast_into_views(flat: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    world = dist.get_world_size(group)
+def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group: Any) -> None:
+    """Rank i's ``tensor`` into ``destinations[i]`` on every rank: one async broadcast each.
+
+    The destinations must be contiguous and must not overlap one another.
+    """
     rank = dist.get_rank(group)
-    views = slots.stacked(flat, world, tensor.shape)
-    own = views[rank]
+    for destination in destinations:
+        pages.advise(destination)
+    own = destinations[rank]
     if own.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         own.copy_(tensor)
-    ranks = _global_ranks(group, world)
-    works = [dist.broadcast(views[i], src=ranks[i], group=group, async_op=True) for i in range(world)]
+    ranks = _global_ranks(group, len(destinations))
+    works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(destinations)]
     _wait_all(works)
 
 

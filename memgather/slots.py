@@ -11,7 +11,7 @@ from typing import List, Tuple
 
 import torch
 
-from memgather import compat
+from memgather import compat, pages
 
 
 def flat_shape(shape: torch.Size, world: int) -> Tuple[int, ...]:
@@ -49,6 +49,7 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     except BaseException:
         _reallocate(slots, shape, dtype, device)
         raise
+    pages.advise(flat)
     views = stacked(flat, len(slots), shape)
     for index, slot in enumerate(slots):
         slot.set_(views[index])

@@ -6,6 +6,9 @@
   one contiguous region; gather straight into it.
 - ``Strategy.REBIND``: every slot alone holds its whole storage; release those
   storages, gather into one new flat buffer, make the slots views of it.
+  On a route that can write each rank's part separately (gloo's broadcasts)
+  and with no cat to elide, such slots are instead filled where they lie
+  (``Strategy.IN_SLOTS``): no release, no new buffer, no page faults.
 - ``Strategy.FALLBACK`` with a ``Reason``: anything memgather cannot prove safe;
   the original ``all_gather`` runs unchanged and keeps its own semantics.
 
@@ -28,6 +31,7 @@ class Strategy(str, enum.Enum):
 
     DIRECT = "direct"
     REBIND = "rebind"
+    IN_SLOTS = "in_slots"
     FALLBACK = "fallback"
 
 
@@ -76,6 +80,7 @@ class Plan:
 
 DIRECT = Plan(Strategy.DIRECT)
 REBIND = Plan(Strategy.REBIND)
+IN_SLOTS = Plan(Strategy.IN_SLOTS)
 
 
 def fallback(reason: Reason) -> Plan:

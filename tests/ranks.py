@@ -330,7 +330,7 @@ def failure_after_rebind(ctx: Any, numel: int) -> Dict[str, Any]:
     }
 
 
-def peak_growth(ctx: Any, numel: int, slots_kind: str, use_memgather: bool) -> Dict[str, Any]:
+def peak_growth(ctx: Any, numel: int, slots_kind: str, use_memgather: bool, elide: bool = False) -> Dict[str, Any]:
     """Peak RSS growth (bytes) during one gather, the peak reset right before it."""
     import gc
 
@@ -341,7 +341,10 @@ def peak_growth(ctx: Any, numel: int, slots_kind: str, use_memgather: bool) -> D
     rss.reset_peak()
     before = rss.current_bytes()
     memgather.reset_stats()
-    (memgather.all_gather if use_memgather else dist.all_gather)(slots, t)
+    if use_memgather:
+        memgather.all_gather(slots, t, elide=elide)
+    else:
+        dist.all_gather(slots, t)
     growth = rss.peak_bytes() - before
     correct = torch.equal(slots[ctx.rank], t)
     del slots, t

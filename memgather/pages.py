@@ -1,0 +1,50 @@
+"""Transparent huge pages for the large CPU buffers memgather fills (Linux).
+
+Touching fresh memory costs a page fault per 4 KiB page; most of the time of
+a large CPU gather is spent there. Where the kernel's transparent huge pages
+are in ``madvise`` mode (a common default), ``madvise(MADV_HUGEPAGE)`` on a
+buffer before it is written makes its first touch about 4x cheaper (32 MiB
+filled: 24.9 ms -> 5.6 ms on this project's machine). Only advice: it
+changes no value, and where it is not available nothing happens.
+``MEMGATHER_HUGE_PAGES=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Any, Optional
+
+_MADV_HUGEPAGE = 14
+_PAGE = 4096
+_MIN_BYTES = 4 << 20  # below this a huge page or two changes nothing measurable
+
+
+def _load_madvise() -> Optional[Any]:
+    if not sys.platform.startswith("linux") or os.environ.get("MEMGATHER_HUGE_PAGES", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _load_madvise()
+
+
+def advise(tensor: Any) -> None:
+    """Ask for huge pages under a large, contiguous CPU tensor about to be written."""
+    if _madvise is None or tensor.device.type != "cpu":
+        return
+    size = tensor.numel() * tensor.element_size()
+    if size < _MIN_BYTES:
+        return
+    start = tensor.data_ptr()
+    first = (start + _PAGE - 1) & ~(_PAGE - 1)
+    last = (start + size) & ~(_PAGE - 1)
+    if last > first:
+        _madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
