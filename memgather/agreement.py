@@ -29,7 +29,8 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
 def agree(
-    gather_rows: Callable[[List[torch.Tensor], torch.Tensor], Any],
+    gather_rows: Callable[..., Any],
+    group: Any,
     tensor: torch.Tensor,
     rewires: bool,
     even: bool,
@@ -38,13 +39,13 @@ def agree(
 ) -> Optional[Reason]:
     """None when every rank may take the rewired path, else why not.
 
-    ``gather_rows`` is the original list all_gather. Raises
+    ``gather_rows`` is the original list all_gather, run on ``group``. Raises
     ``UnevenShapesError`` when ``check`` is set, some rank's slots are even
     and the ranks' inputs differ.
     """
     row = _encode(tensor, rewires, even)
     table = [torch.empty_like(row) for _ in range(world)]
-    gather_rows(table, row)
+    gather_rows(table, row, group=group)
     rows = [r.tolist() for r in table]
     uniform = all(_identity(r) == _identity(rows[0]) for r in rows)
     if not uniform:

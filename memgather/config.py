@@ -7,6 +7,7 @@
 | ``MEMGATHER_CHECK`` | boolean | cross-rank shape check on every rewired call |
 | ``MEMGATHER_FORCE`` | boolean | rewire targets whose installed version is outside the tested range |
 | ``MEMGATHER_ELIDE`` | unset, boolean | cat elision: unset = audited targets only, 1 = every rewired call, 0 = never |
+| ``MEMGATHER_GLOO_MIN_BYTES`` | bytes per rank | gloo calls below this are left to torch (default 2 MiB; 0 rewires all) |
 | ``MEMGATHER_LOG`` | a logging level name | log memgather's messages at that level to stderr |
 | ``MEMGATHER_REPORT`` | ``1``/``rank0``, ``all``, ``0`` | statistics at exit: rank 0 only, or every rank |
 """
@@ -32,6 +33,7 @@ class Settings:
     check: bool = False
     force: bool = False
     elide: Optional[bool] = None
+    gloo_min_bytes: Optional[int] = None
     log_level: Optional[int] = None
     report: str = "off"
 
@@ -57,6 +59,7 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
         check=parse_bool("MEMGATHER_CHECK", env.get("MEMGATHER_CHECK", "")),
         force=parse_bool("MEMGATHER_FORCE", env.get("MEMGATHER_FORCE", "")),
         elide=_optional_bool("MEMGATHER_ELIDE", env.get("MEMGATHER_ELIDE", "")),
+        gloo_min_bytes=_optional_size("MEMGATHER_GLOO_MIN_BYTES", env.get("MEMGATHER_GLOO_MIN_BYTES", "")),
         log_level=_parse_level(env.get("MEMGATHER_LOG", "")),
         report=_parse_report(env.get("MEMGATHER_REPORT", "")),
     )
@@ -64,6 +67,15 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
 
 def _optional_bool(name: str, value: str) -> Optional[bool]:
     return None if value.strip() == "" else parse_bool(name, value)
+
+
+def _optional_size(name: str, value: str) -> Optional[int]:
+    text = value.strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{name}={value!r} is not a number of bytes (a non-negative integer)")
+    return int(text)
 
 
 def _parse_level(value: str) -> Optional[int]:

@@ -66,15 +66,17 @@ def all_gather(
     route = None
     if gathered is not None:
         backend = routes.backend_name(group, tensor.device)
-        route = routes.choose(backend, tensor.device, gathered, world, async_op)
+        route = routes.choose(backend, tensor.device, gathered, world, async_op, _settings.gloo_min_bytes)
     if gathered is not None and route is None:
         chosen = fallback(Reason.BACKEND)
     elif route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         chosen = fallback(Reason.INPUT_NOT_CONTIGUOUS)
     else:  # a malformed call still gets its precise reason from plan()
         chosen = plan(tensor_list, tensor, world, dist.get_rank(group))
+        if chosen.rewires and route is routes.PASSTHROUGH:
+            chosen = fallback(Reason.BELOW_THRESHOLD)
     if gathered is not None and (check or (route is not None and route.needs_agreement)):
-        chosen = _agree(chosen, tensor_list, tensor, world, check)
+        chosen = _agree(chosen, tensor_list, tensor, group, world, check)
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
     return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, bool(_settings.elide) if elide is None else elide)
@@ -132,9 +134,9 @@ def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:
     return total
 
 
-def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, world: int, check: bool) -> Plan:
+def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, world: int, check: bool) -> Plan:
     even = all(s.shape == tensor.shape and s.dtype == tensor.dtype for s in tensor_list)
-    verdict = agreement.agree(_original_all_gather, tensor, chosen.rewires, even, world, check)
+    verdict = agreement.agree(_original_all_gather, group, tensor, chosen.rewires, even, world, check)
     if verdict is None or not chosen.rewires:
         return chosen
     return fallback(verdict)

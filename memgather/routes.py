@@ -25,6 +25,10 @@ Gloo threshold. Median time per gather on this project's 2-core CPU machine
 
 World 4 crosses over between 1 and 4 MiB as well. Broadcasts are taken from
 2 MiB per rank, where they are no slower and save the gathered size in memory.
+Below it memgather leaves gloo calls to torch: gloo stages the single call
+through a temporary just as it does the list call, so rewiring would save
+nothing and only add its own microseconds (``MEMGATHER_GLOO_MIN_BYTES``
+moves the threshold; 0 rewires every gloo call).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ SINGLE_IN_PLACE = Route("single", saves_temp=True, needs_agreement=False, contig
 # Gloo copies the input in logical order on both calls (tested bit for bit).
 SINGLE_STAGED = Route("single", saves_temp=False, needs_agreement=False)
 BROADCAST = Route("broadcast", saves_temp=True, needs_agreement=True)
+# Below the gloo threshold: gloo stages every all-gather through a temporary,
+# so there is nothing to save, and memgather's own work would only add time.
+PASSTHROUGH = Route("torch", saves_temp=False, needs_agreement=False)
 
 
 def backend_name(group: Any, device: torch.device) -> str:
@@ -76,19 +83,28 @@ def backend_for_device(name: str, device: torch.device) -> str:
     return ""
 
 
-def choose(backend: str, device: torch.device, gathered_bytes: int, world: int, async_op: bool) -> Optional[Route]:
+def choose(
+    backend: str,
+    device: torch.device,
+    gathered_bytes: int,
+    world: int,
+    async_op: bool,
+    gloo_min_bytes: Optional[int] = None,
+) -> Optional[Route]:
     """The route for this call, or None where no route is known to be safe.
 
     Every input here is the same on every rank of a working program (slot
     sizes must agree across ranks for torch's own all_gather), so all ranks
-    choose alike.
+    choose alike. ``gloo_min_bytes`` (per rank; default
+    ``BROADCAST_MIN_BYTES_PER_RANK``) is where gloo calls start to be rewired.
     """
     if backend == "gloo" and device.type == "cpu":
-        # Async calls stay on the single call: the agreement round would block
-        # a call that the caller expects to return at once.
-        if not async_op and gathered_bytes >= world * BROADCAST_MIN_BYTES_PER_RANK:
-            return BROADCAST
-        return SINGLE_STAGED
+        threshold = BROADCAST_MIN_BYTES_PER_RANK if gloo_min_bytes is None else gloo_min_bytes
+        if gathered_bytes < world * threshold:
+            return PASSTHROUGH
+        # Async calls take the single call: the agreement round before the
+        # broadcasts would block a call that the caller expects to return at once.
+        return SINGLE_STAGED if async_op else BROADCAST
     if backend == "nccl" and device.type == "cuda":
         return SINGLE_IN_PLACE
     if backend == "fake":  # torch's no-op test backend: used to time memgather itself

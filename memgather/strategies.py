@@ -44,6 +44,7 @@ class Reason(str, enum.Enum):
     COALESCING = "coalescing"  # inside _coalescing_manager, torch queues the op
     NO_PRIMITIVE = "no_primitive"  # this torch has no single-tensor all-gather
     BACKEND = "backend"  # backend/device pair without a route known to be safe
+    BELOW_THRESHOLD = "below_threshold"  # gloo call too small to save anything
     TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
     WRONG_LENGTH = "wrong_length"  # list length is not the group size

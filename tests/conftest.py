@@ -1,22 +1,28 @@
 from __future__ import annotations
 
-from typing import Dict, Iterator
+from typing import Dict, FrozenSet, Iterator, Tuple
 
 import pytest
 
 from tests.pool import RankError, RankPool
 
 
+# Rewire gloo calls of every size (memgather leaves those under 2 MiB per rank to
+# torch by default): how tests reach the rewired paths with small tensors.
+EAGER = {"MEMGATHER_GLOO_MIN_BYTES": "0"}
+
+
 class Pools:
-    """One RankPool per world size, started on first use and kept for the session."""
+    """One RankPool per world size and environment, started on first use and kept for the session."""
 
     def __init__(self) -> None:
-        self._pools: Dict[int, RankPool] = {}
+        self._pools: Dict[Tuple[int, FrozenSet[Tuple[str, str]]], RankPool] = {}
 
-    def __call__(self, world: int) -> RankPool:
-        if world not in self._pools or self._pools[world].closed:
-            self._pools[world] = RankPool(world)
-        return self._pools[world]
+    def __call__(self, world: int, **env: str) -> RankPool:
+        key = (world, frozenset(env.items()))
+        if key not in self._pools or self._pools[key].closed:
+            self._pools[key] = RankPool(world, env=env)
+        return self._pools[key]
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -15,7 +15,7 @@ import socket
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 
 @dataclass
@@ -30,7 +30,7 @@ class RankError:
 class RankPool:
     """``world`` ranks in one gloo group; ``run(fn, ...)`` calls ``fn(ctx, ...)`` on all."""
 
-    def __init__(self, world: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, world: int, timeout_s: float = 60.0, env: Optional[Dict[str, str]] = None) -> None:
         self.world = world
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
@@ -40,7 +40,7 @@ class RankPool:
         self._procs = []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, rank, world, port), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child, rank, world, port, dict(env or {})), daemon=True)
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -85,7 +85,8 @@ class RankContext:
     world: int
 
 
-def _serve(conn: Any, rank: int, world: int, port: int) -> None:
+def _serve(conn: Any, rank: int, world: int, port: int, env: Dict[str, str]) -> None:
+    os.environ.update(env)  # before memgather reads its settings
     import torch
     import torch.distributed as dist
 

@@ -234,18 +234,27 @@ def compare_bad_input(ctx: Any, name: str) -> Dict[str, Any]:
     return {"want": want, "got": got, "fallbacks": dict(memgather.stats().fallbacks)}
 
 
-def compare_peer_dependent(ctx: Any, numel: int, shared_on: int) -> Dict[str, Any]:
+def compare_peer_dependent(ctx: Any, numel: int, shared_on: int, async_op: bool = False) -> Dict[str, Any]:
     """Only rank ``shared_on`` holds a view of a slot: it must fall back, alone or with all."""
 
     def build(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
         slots = [torch.zeros(numel) for _ in range(world)]
         return slots, _filled(rank, (numel,)), slots[0][:1] if rank == shared_on else None
 
-    want = _outcome(dist.all_gather, build, ctx.rank, ctx.world)
+    want = _outcome(_waited(dist.all_gather, async_op), build, ctx.rank, ctx.world)
     memgather.reset_stats()
-    got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world)
+    got = _outcome(_waited(memgather.all_gather, async_op), build, ctx.rank, ctx.world)
     snapshot = memgather.stats()
     return {"want": want, "got": got, "strategy": dict(snapshot.by_strategy), "fallbacks": dict(snapshot.fallbacks)}
+
+
+def _waited(function: Any, async_op: bool) -> Any:
+    def call(slots: Any, given: Any) -> None:
+        work = function(slots, given, async_op=async_op)
+        if work is not None:
+            work.wait()
+
+    return call
 
 
 def compare_mixed_dtypes(ctx: Any, numel: int, check: bool) -> Dict[str, Any]:
@@ -314,8 +323,8 @@ def failure_after_rebind(ctx: Any, numel: int) -> Dict[str, Any]:
     slots = [torch.zeros(numel) for _ in range(2)]
     ids = [id(s) for s in slots]
     memgather.reset_stats()
-    try:
-        memgather.all_gather(slots, torch.ones(numel), group=group)
+    try:  # async: the single route, where the slots are rebound before the collective runs
+        memgather.all_gather(slots, torch.ones(numel), group=group, async_op=True).wait()
     except RuntimeError as error:
         raised = type(error).__name__
     else:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memgather
-from tests.conftest import unwrap
+from tests.conftest import EAGER, unwrap
 from tests.ranks import (
     async_work,
     direct_in_place,
@@ -34,8 +34,8 @@ def test_check_raises_on_every_rank_naming_each_shape(pools: Any, numel: int) ->
 
 
 def test_check_passes_even_shapes_and_still_rewires(pools: Any) -> None:
-    for result in unwrap(pools(2).run(uneven_check, [5, 5])):
-        assert result == {"raised": False, "strategy": {"rebind": 1}, "correct": True}
+    for result in unwrap(pools(2, **EAGER).run(uneven_check, [5, 5])):
+        assert result == {"raised": False, "strategy": {"in_slots": 1}, "correct": True}
 
 
 @pytest.mark.parametrize(
@@ -57,13 +57,13 @@ def test_gather_of_scalars_has_shape_world(pools: Any) -> None:
 
 
 def test_async_returns_torch_work_and_wait_completes(pools: Any) -> None:
-    for result in unwrap(pools(2).run(async_work, 1000)):
+    for result in unwrap(pools(2, **EAGER).run(async_work, 1000)):
         assert result == {"is_work": True, "completed": True, "strategy": {"rebind": 1}, "correct": True}
 
 
 def test_failed_collective_leaves_slots_valid(pools: Any) -> None:
     """A peer that never arrives: the error propagates, the slots stay allocated and shaped."""
-    first, second = unwrap(pools(2).run(failure_after_rebind, 1000, timeout_s=120))
+    first, second = unwrap(pools(2, **EAGER).run(failure_after_rebind, 1000, timeout_s=120))
     assert second["skipped"]
     assert first["raised"] == "RuntimeError"
     assert first["strategy"] == {"rebind": 1}  # the storages were released before the failure
@@ -72,7 +72,7 @@ def test_failed_collective_leaves_slots_valid(pools: Any) -> None:
 
 
 def test_direct_writes_in_place(pools: Any) -> None:
-    for result in unwrap(pools(3).run(direct_in_place, 1000)):
+    for result in unwrap(pools(3, **EAGER).run(direct_in_place, 1000)):
         assert result == {"strategy": {"direct": 1}, "pointers_kept": True, "same_storage": True, "correct": True}
 
 

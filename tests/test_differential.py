@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 import pytest
 
 from memgather.routes import BROADCAST_MIN_BYTES_PER_RANK
-from tests.conftest import unwrap
+from tests.conftest import EAGER, unwrap
 from tests.ranks import differential
 
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool", "complex64"]
@@ -65,8 +65,8 @@ def _case_id(case: Dict[str, Any]) -> str:
     return f"w{case['world']}-{case['dtype']}-{shape}-{case['layout']}-{case['slots']}-{group}-{mode}"
 
 
-def expected(case: Dict[str, Any], member: bool) -> Dict[str, Any]:
-    """What memgather must report for this case on one rank."""
+def expected(case: Dict[str, Any], member: bool, threshold: int) -> Dict[str, Any]:
+    """What memgather must report for this case on one rank, rewiring gloo calls from ``threshold`` bytes per rank."""
     numel = math.prod(case["shape"])
     if not member:
         return {"strategy": "fallback", "reason": "not_in_group"}
@@ -74,26 +74,30 @@ def expected(case: Dict[str, Any], member: bool) -> Dict[str, Any]:
         return {"strategy": "fallback", "reason": "empty"}
     if case["slots"] in FRESH and case["layout"] == "permuted" and sum(d > 1 for d in case["shape"]) > 1:
         return {"strategy": "fallback", "reason": "slot_not_contiguous"}
+    if numel * ITEMSIZE[case["dtype"]] < threshold:
+        return {"strategy": "fallback", "reason": "below_threshold"}
     size = len(case["group"]) if case["group"] else case["world"]
     # One fresh slot is trivially a region of its own: gathered into in place.
     strategy = "rebind" if case["slots"] in FRESH and size > 1 else "direct"
-    per_rank = numel * ITEMSIZE[case["dtype"]]
-    route = "broadcast" if per_rank >= BROADCAST_MIN_BYTES_PER_RANK and not case["async"] else "single"
+    route = "single" if case["async"] else "broadcast"
     if strategy == "rebind" and route == "broadcast":
         strategy = "in_slots"  # broadcasts fill the caller's slots where they lie
     return {"strategy": strategy, "route": route}
 
 
-_results: Dict[int, List[Any]] = {}
+# The default threshold leaves small gloo calls to torch; threshold 0 rewires every
+# call, so that every dtype and shape (0-d included) goes through the rewired paths.
+THRESHOLDS = {"default": ({}, BROADCAST_MIN_BYTES_PER_RANK), "eager": (EAGER, 0)}
+_results: Dict[Any, List[Any]] = {}
 
 
-def _results_for(pools: Any, world: int) -> List[Any]:
+def _results_for(pools: Any, world: int, threshold: str) -> List[Any]:
     """Run every case of one world size in a single round trip to its pool."""
-    if world not in _results:
+    if (world, threshold) not in _results:
         batch = [c for c in CASES if c["world"] == world]
-        per_rank = unwrap(pools(world).run(differential, batch, timeout_s=240))
-        _results[world] = [dict(zip(range(world), row)) for row in zip(*per_rank)]
-    return _results[world]
+        per_rank = unwrap(pools(world, **THRESHOLDS[threshold][0]).run(differential, batch, timeout_s=240))
+        _results[world, threshold] = [dict(zip(range(world), row)) for row in zip(*per_rank)]
+    return _results[world, threshold]
 
 
 def test_enough_cases() -> None:
@@ -103,11 +107,12 @@ def test_enough_cases() -> None:
     assert any(c["group"] for c in CASES) and any(c["async"] for c in CASES)
 
 
+@pytest.mark.parametrize("threshold", sorted(THRESHOLDS))
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_matches_torch_bit_for_bit(pools: Any, case: Dict[str, Any]) -> None:
+def test_matches_torch_bit_for_bit(pools: Any, case: Dict[str, Any], threshold: str) -> None:
     index = [c for c in CASES if c["world"] == case["world"]].index(case)
-    for rank, got in _results_for(pools, case["world"])[index].items():
-        want = expected(case, got["member"])
+    for rank, got in _results_for(pools, case["world"], threshold)[index].items():
+        want = expected(case, got["member"], THRESHOLDS[threshold][1])
         assert got["equal"], f"rank {rank}: gathered bytes differ from torch's"
         assert got["meta_equal"], f"rank {rank}: slot shapes or dtypes differ from torch's"
         assert got["identity_kept"], f"rank {rank}: the caller's tensor objects were replaced"

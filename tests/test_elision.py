@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import unwrap
+from tests.conftest import EAGER, unwrap
 from tests.ranks import elision_cases, elision_memory, elision_off_by_default, elision_other_op_disarms_group, elision_reuse
 
 ELIDED = {"cat", "cat_dim0_kw", "cat_negative_dim", "concat", "concatenate", "cat_tuple", "stack", "stack_negative_dim",
@@ -18,7 +18,7 @@ COPIED = {"cat_dim1", "stack_dim1", "cat_reversed", "cat_subset", "cat_out", "ot
 
 @pytest.fixture(scope="module")
 def cases(pools: Any) -> Any:
-    return unwrap(pools(2).run(elision_cases))
+    return unwrap(pools(2, **EAGER).run(elision_cases))
 
 
 @pytest.mark.parametrize("name", sorted(ELIDED | COPIED))
@@ -35,19 +35,19 @@ def test_cat_of_scalars_raises_what_torch_raises(cases: Any) -> None:
 
 
 def test_off_unless_asked(pools: Any) -> None:
-    for result in unwrap(pools(2).run(elision_off_by_default)):
+    for result in unwrap(pools(2, **EAGER).run(elision_off_by_default)):
         assert result == {"plain": True, "copy": True}
 
 
 def test_any_other_op_returns_plain_tensors_and_disarms(pools: Any) -> None:
-    for result in unwrap(pools(2).run(elision_other_op_disarms_group)):
+    for result in unwrap(pools(2, **EAGER).run(elision_other_op_disarms_group)):
         assert result == {"plain_result": True, "all_plain": True, "cat_copies": True}
 
 
 @pytest.mark.parametrize("second_call,strategy", [("memgather", {"rebind": 1}), ("memgather_elide", {"rebind": 1}),
                                                   ("memgather_fallback", {"fallback": 1})])
 def test_result_keeps_its_values_when_the_slots_are_reused(pools: Any, second_call: str, strategy: Any) -> None:
-    for result in unwrap(pools(2).run(elision_reuse, second_call)):
+    for result in unwrap(pools(2, **EAGER).run(elision_reuse, second_call)):
         assert result["result_kept"] and result["slots_new"], result
         assert result["strategy"] == strategy, result
 

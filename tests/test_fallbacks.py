@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import memgather
 from memgather import Reason
-from tests.conftest import unwrap
+from tests.conftest import EAGER, unwrap
 from tests.ranks import BAD_INPUTS, compare_bad_input, compare_mixed_dtypes, compare_peer_dependent
 
 EXPECTED_REASON = {
@@ -60,9 +60,10 @@ def test_bad_input_same_outcome_as_torch(pools: Any, name: str) -> None:
         assert result["fallbacks"] == {EXPECTED_REASON[name]: 1}, f"rank {rank}: {result['fallbacks']}"
 
 
-def test_small_gather_mixed_decisions_meet_on_the_wire(pools: Any) -> None:
-    """Rank 0 rewires (single-tensor call), rank 1 falls back (list call): same bytes as torch."""
-    first, second = unwrap(pools(2).run(compare_peer_dependent, SMALL, 1))
+def test_single_route_mixed_decisions_meet_on_the_wire(pools: Any) -> None:
+    """Rank 0 rewires (async: the single-tensor call), rank 1 falls back (torch's list call):
+    both still meet on the wire and give torch's bytes."""
+    first, second = unwrap(pools(2, **EAGER).run(compare_peer_dependent, SMALL, 1, True))
     assert first["strategy"] == {"rebind": 1}
     assert second["fallbacks"] == {"slots_shared": 1}
     for result in (first, second):
@@ -183,7 +184,7 @@ def test_every_reason_is_reached_somewhere() -> None:
     """The reasons this file and test_differential.py assert cover the whole enum."""
     covered = set(EXPECTED_REASON.values()) | {
         "uneven_ranks", "peer_fallback", "not_initialized", "coalescing", "compiling",
-        "no_primitive", "cannot_prove_exclusive", "not_in_group", "empty",
+        "no_primitive", "cannot_prove_exclusive", "not_in_group", "empty", "below_threshold",
     }
     # input_not_contiguous is reachable only on NCCL (the route that reads raw
     # memory); no GPU here, so test_routes.py checks the route table instead.

@@ -13,7 +13,7 @@ import wrapt
 
 import memgather
 from memgather import patcher
-from tests.conftest import unwrap
+from tests.conftest import EAGER, unwrap
 from tests.ranks import scoped_calls
 
 ORIGINAL = dist.distributed_c10d.all_gather
@@ -29,7 +29,7 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_target_calls_are_rewired_and_others_are_not(pools: Any) -> None:
-    for result in unwrap(pools(2).run(scoped_calls, ["tests.sites.target_caller", "tests.sites.from_import_caller"])):
+    for result in unwrap(pools(2, **EAGER).run(scoped_calls, ["tests.sites.target_caller", "tests.sites.from_import_caller"])):
         assert result["target"] == {"rewired": 1, "correct": True}
         assert result["other"] == {"rewired": 0, "correct": True}
         assert result["from_import"] == {"rewired": 1, "correct": True}
@@ -40,7 +40,7 @@ def test_target_calls_are_rewired_and_others_are_not(pools: Any) -> None:
 
 
 def test_every_caller(pools: Any) -> None:
-    for result in unwrap(pools(2).run(scoped_calls, ["*"])):
+    for result in unwrap(pools(2, **EAGER).run(scoped_calls, ["*"])):
         assert result["target"]["rewired"] == result["other"]["rewired"] == 1
 
 

@@ -92,5 +92,5 @@ def test_memgather_run_in_front_of_torchrun(venv: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, env=clean, cwd=JOB, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
-        assert f"[memgather rank {rank}] memgather: 1 calls, 1 rewired (rebind=1)" in done.stderr
+        assert f"[memgather rank {rank}] memgather: 1 calls, 1 rewired (in_slots=1)" in done.stderr
     assert done.stderr.count("[memgather rank") == 2  # the launcher is not a rank: no line of its own

@@ -14,8 +14,9 @@ MIB = 1 << 20
 @pytest.mark.parametrize(
     "backend,device,per_rank,async_op,expected",
     [
-        ("gloo", CPU, 4 << 10, False, routes.SINGLE_STAGED),
-        ("gloo", CPU, 2 * MIB - 1, False, routes.SINGLE_STAGED),
+        ("gloo", CPU, 4 << 10, False, routes.PASSTHROUGH),
+        ("gloo", CPU, 2 * MIB - 1, False, routes.PASSTHROUGH),
+        ("gloo", CPU, 2 * MIB - 1, True, routes.PASSTHROUGH),
         ("gloo", CPU, 2 * MIB, False, routes.BROADCAST),
         ("gloo", CPU, 64 * MIB, True, routes.SINGLE_STAGED),
         ("gloo", CUDA, 64 * MIB, False, None),
@@ -29,6 +30,12 @@ MIB = 1 << 20
 )
 def test_choose(backend: str, device: torch.device, per_rank: int, async_op: bool, expected: object) -> None:
     assert routes.choose(backend, device, per_rank * 3, 3, async_op) is expected
+
+
+def test_gloo_threshold_is_adjustable() -> None:
+    assert routes.choose("gloo", CPU, 8, 2, False, gloo_min_bytes=0) is routes.BROADCAST
+    assert routes.choose("gloo", CPU, 8, 2, True, gloo_min_bytes=0) is routes.SINGLE_STAGED
+    assert routes.choose("gloo", CPU, 4 * MIB, 2, False, gloo_min_bytes=4 * MIB) is routes.PASSTHROUGH
 
 
 def test_only_the_broadcast_route_needs_agreement_and_only_nccl_needs_contiguous_input() -> None:

@@ -27,9 +27,10 @@ def worker(rank: int, world: int, port: int, queue) -> None:
     result = {"patched": memgather.is_patched(), "memgather_file": memgather.__file__}
     for name, module in (("target", mgtarget), ("other", notatarget)):
         memgather.reset_stats()
-        slots = module.gather(torch.full((4,), float(rank)))
+        # 4 MiB per rank: above the 2 MiB under which memgather leaves gloo calls to torch
+        slots = module.gather(torch.full((1 << 20,), float(rank)))
         result[name] = memgather.stats().rewired
-        result[name + "_correct"] = all(torch.equal(s, torch.full((4,), float(r))) for r, s in enumerate(slots))
+        result[name + "_correct"] = all(torch.equal(s, torch.full((1 << 20,), float(r))) for r, s in enumerate(slots))
     dist.destroy_process_group()
     queue.put((rank, result))
     queue.close()

@@ -6,6 +6,6 @@ import torch.distributed as dist
 import mgtarget
 
 dist.init_process_group("gloo")
-slots = mgtarget.gather(torch.full((8,), float(dist.get_rank())))
-assert all(torch.equal(s, torch.full((8,), float(r))) for r, s in enumerate(slots))
+slots = mgtarget.gather(torch.full((1 << 20,), float(dist.get_rank())))  # 4 MiB: rewired on gloo
+assert all(torch.equal(s, torch.full((1 << 20,), float(r))) for r, s in enumerate(slots))
 dist.destroy_process_group()
