@@ -69,12 +69,12 @@ def all_gather(
         route = routes.choose(backend, tensor.device, gathered, world, async_op, _settings.gloo_min_bytes)
     if gathered is not None and route is None:
         chosen = fallback(Reason.BACKEND)
+    elif route is routes.PASSTHROUGH:  # decided before planning: this path must stay cheap
+        chosen = fallback(Reason.BELOW_THRESHOLD)
     elif route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         chosen = fallback(Reason.INPUT_NOT_CONTIGUOUS)
     else:  # a malformed call still gets its precise reason from plan()
         chosen = plan(tensor_list, tensor, world, dist.get_rank(group))
-        if chosen.rewires and route is routes.PASSTHROUGH:
-            chosen = fallback(Reason.BELOW_THRESHOLD)
     if gathered is not None and (check or (route is not None and route.needs_agreement)):
         chosen = _agree(chosen, tensor_list, tensor, group, world, check)
     if not chosen.rewires:

@@ -70,12 +70,12 @@ def expected(case: Dict[str, Any], member: bool, threshold: int) -> Dict[str, An
     numel = math.prod(case["shape"])
     if not member:
         return {"strategy": "fallback", "reason": "not_in_group"}
+    if numel * ITEMSIZE[case["dtype"]] < threshold:  # decided before the slots are looked at
+        return {"strategy": "fallback", "reason": "below_threshold"}
     if numel == 0:
         return {"strategy": "fallback", "reason": "empty"}
     if case["slots"] in FRESH and case["layout"] == "permuted" and sum(d > 1 for d in case["shape"]) > 1:
         return {"strategy": "fallback", "reason": "slot_not_contiguous"}
-    if numel * ITEMSIZE[case["dtype"]] < threshold:
-        return {"strategy": "fallback", "reason": "below_threshold"}
     size = len(case["group"]) if case["group"] else case["world"]
     # One fresh slot is trivially a region of its own: gathered into in place.
     strategy = "rebind" if case["slots"] in FRESH and size > 1 else "direct"
