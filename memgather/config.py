@@ -8,6 +8,7 @@
 | ``MEMGATHER_FORCE`` | boolean | rewire targets whose installed version is outside the tested range |
 | ``MEMGATHER_ELIDE`` | unset, boolean | cat elision: unset = audited targets only, 1 = every rewired call, 0 = never |
 | ``MEMGATHER_GLOO_MIN_BYTES`` | bytes per rank | gloo calls below this are left to torch (default 2 MiB; 0 rewires all) |
+| ``MEMGATHER_HUGE_PAGES`` | boolean, default on | huge-page advice on large CPU buffers memgather fills |
 | ``MEMGATHER_LOG`` | a logging level name | log memgather's messages at that level to stderr |
 | ``MEMGATHER_REPORT`` | ``1``/``rank0``, ``all``, ``0`` | statistics at exit: rank 0 only, or every rank |
 """
@@ -34,6 +35,7 @@ class Settings:
     force: bool = False
     elide: Optional[bool] = None
     gloo_min_bytes: Optional[int] = None
+    huge_pages: bool = True
     log_level: Optional[int] = None
     report: str = "off"
 
@@ -60,6 +62,7 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
         force=parse_bool("MEMGATHER_FORCE", env.get("MEMGATHER_FORCE", "")),
         elide=_optional_bool("MEMGATHER_ELIDE", env.get("MEMGATHER_ELIDE", "")),
         gloo_min_bytes=_optional_size("MEMGATHER_GLOO_MIN_BYTES", env.get("MEMGATHER_GLOO_MIN_BYTES", "")),
+        huge_pages=parse_bool("MEMGATHER_HUGE_PAGES", env.get("MEMGATHER_HUGE_PAGES", "1")),
         log_level=_parse_level(env.get("MEMGATHER_LOG", "")),
         report=_parse_report(env.get("MEMGATHER_REPORT", "")),
     )

@@ -12,9 +12,10 @@ changes no value, and where it is not available nothing happens.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from typing import Any, Optional
+
+from memgather import config
 
 _MADV_HUGEPAGE = 14
 _PAGE = 4096
@@ -22,7 +23,7 @@ _MIN_BYTES = 4 << 20  # below this a huge page or two changes nothing measurable
 
 
 def _load_madvise() -> Optional[Any]:
-    if not sys.platform.startswith("linux") or os.environ.get("MEMGATHER_HUGE_PAGES", "1").strip() in ("0", "false", "no", "off"):
+    if not sys.platform.startswith("linux") or not config.load().huge_pages:
         return None
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise

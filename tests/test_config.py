@@ -20,3 +20,24 @@ def test_unset_means_defaults() -> None:
 def test_bad_value_names_the_variable() -> None:
     with pytest.raises(ValueError, match=r"MEMGATHER_CHECK='maybe' is not a boolean"):
         config.load({"MEMGATHER_CHECK": "maybe"})
+
+
+def test_every_variable_parses() -> None:
+    settings = config.load({
+        "MEMGATHER": "1", "MEMGATHER_TARGETS": "accelerate, moco,", "MEMGATHER_CHECK": "yes", "MEMGATHER_FORCE": "1",
+        "MEMGATHER_ELIDE": "0", "MEMGATHER_GLOO_MIN_BYTES": "0", "MEMGATHER_HUGE_PAGES": "off",
+        "MEMGATHER_LOG": "debug", "MEMGATHER_REPORT": "all",
+    })
+    assert settings == config.Settings(True, ("accelerate", "moco"), True, True, False, 0, False, 10, "all")
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("MEMGATHER", "maybe", "MEMGATHER='maybe' is not a boolean"),
+    ("MEMGATHER_GLOO_MIN_BYTES", "2MiB", "MEMGATHER_GLOO_MIN_BYTES='2MiB' is not a number of bytes"),
+    ("MEMGATHER_REPORT", "loud", "MEMGATHER_REPORT='loud': use 1 (rank 0), all (every rank) or 0"),
+    ("MEMGATHER_LOG", "LOUD", "MEMGATHER_LOG='LOUD' is not a logging level"),
+])
+def test_bad_values_name_the_variable(name: str, value: str, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        config.load({name: value})
+    assert message in str(error.value)
