@@ -63,23 +63,14 @@ def all_gather(
         return _fall_back(reason, tensor_list, tensor, group, async_op)
     world = dist.get_world_size(group)
     gathered = _gathered_bytes(tensor_list, world)
-    route = None
-    if gathered is not None:
-        backend = routes.backend_name(group, tensor.device)
-        route = routes.choose(backend, tensor.device, gathered, world, async_op, _settings.gloo_min_bytes)
-    if gathered is not None and route is None:
-        chosen = fallback(Reason.BACKEND)
-    elif route is routes.PASSTHROUGH:  # decided before planning: this path must stay cheap
-        chosen = fallback(Reason.BELOW_THRESHOLD)
-    elif route is not None and route.contiguous_input_only and not tensor.is_contiguous():
-        chosen = fallback(Reason.INPUT_NOT_CONTIGUOUS)
-    else:  # a malformed call still gets its precise reason from plan()
-        chosen = plan(tensor_list, tensor, world, dist.get_rank(group))
+    route = _route(tensor, group, gathered, world, async_op)
+    chosen = _plan(route, tensor_list, tensor, group, world, gathered)
     if gathered is not None and (check or (route is not None and route.needs_agreement)):
         chosen = _agree(chosen, tensor_list, tensor, group, world, check)
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
-    return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, bool(_settings.elide) if elide is None else elide)
+    elide = bool(_settings.elide) if elide is None else elide
+    return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, elide)
 
 
 def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = None) -> torch.Tensor:
@@ -116,6 +107,26 @@ def _precondition(tensor: Any, group: Any) -> Optional[Reason]:
     if compat.single_tensor_primitive().function is None:
         return Reason.NO_PRIMITIVE
     return None
+
+
+def _route(tensor: torch.Tensor, group: Any, gathered: Optional[int], world: int, async_op: bool) -> Optional[routes.Route]:
+    """How the bytes would travel; None for a malformed list or an unsupported backend."""
+    if gathered is None:
+        return None
+    backend = routes.backend_name(group, tensor.device)
+    return routes.choose(backend, tensor.device, gathered, world, async_op, _settings.gloo_min_bytes)
+
+
+def _plan(
+    route: Optional[routes.Route], tensor_list: Any, tensor: torch.Tensor, group: Any, world: int, gathered: Optional[int]
+) -> Plan:
+    if gathered is not None and route is None:
+        return fallback(Reason.BACKEND)
+    if route is routes.PASSTHROUGH:  # decided before planning: this path must stay cheap
+        return fallback(Reason.BELOW_THRESHOLD)
+    if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
+        return fallback(Reason.INPUT_NOT_CONTIGUOUS)
+    return plan(tensor_list, tensor, world, dist.get_rank(group))  # a malformed call gets its precise reason here
 
 
 def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:
