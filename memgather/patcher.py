@@ -72,9 +72,10 @@ def patch(
     version is outside the tested range (default ``MEMGATHER_FORCE``).
     ``elide``: let ``torch.cat`` of the gathered list return the gathered
     buffer (default ``MEMGATHER_ELIDE``; unset: only for targets audited to
-    drop the list after concatenating). Idempotent and thread-safe; calling it again replaces the settings. Also
-    exports the settings to the environment, so spawned children re-patch.
-    Returns False, doing nothing, when ``MEMGATHER=0``.
+    drop the list after concatenating). Idempotent and thread-safe; calling
+    it again replaces the settings. Also exports the settings to the
+    environment, so spawned children re-patch. Returns False, doing nothing,
+    when ``MEMGATHER=0``.
     """
     global _active, _exported
     settings = config.load()
