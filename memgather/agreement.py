@@ -9,7 +9,7 @@ reported on every rank instead of hanging or returning garbage.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 

@@ -89,7 +89,7 @@ def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
     # The local storage object dies on return, so it cannot keep the memory
     # alive through a rebind.
     storage = tensor.untyped_storage()
-    return _use_count(storage._cdata), sys.getrefcount(storage)
+    return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
 
 
 # What a tensor nobody else knows reports here; calibrated rather than

@@ -70,6 +70,7 @@ def all_gather(
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
     elide = bool(_settings.elide) if elide is None else elide
+    assert route is not None and gathered is not None  # a plan that rewires had both
     return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, elide)
 
 
@@ -176,9 +177,9 @@ def _rewire(
         chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
     counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
     if chosen is IN_SLOTS:
-        work = routes.broadcast_into(tensor_list, tensor, group)
+        routes.broadcast_into(tensor_list, tensor, group)
         slots.bump_versions(tensor_list)
-        return work
+        return None  # synchronous, as torch's all_gather with async_op=False
     if chosen is DIRECT:
         flat = slots.region(tensor_list)
     else:

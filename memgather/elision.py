@@ -99,7 +99,7 @@ def detach(slots: Sequence[torch.Tensor]) -> None:
     """Give slots that share a handed-out buffer memory of their own (a copy) before torch writes into them."""
     for slot in slots:
         if isinstance(slot, torch.Tensor) and id(slot) in _given:
-            slot.set_(slot.clone())
+            slot.set_(slot.clone())  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
             _given.discard(id(slot))
 
 

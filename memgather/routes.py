@@ -118,6 +118,7 @@ def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, asyn
         world = dist.get_world_size(group)
         return broadcast_into(list(slots.stacked(flat, world, tensor.shape).unbind(0)), tensor, group)
     primitive = compat.single_tensor_primitive().function
+    assert primitive is not None  # core falls back (no_primitive) before any route runs
     source = tensor.reshape(1) if tensor.dim() == 0 else tensor
     return primitive(flat, source, group=group, async_op=async_op)
 

@@ -43,7 +43,7 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     first = slots[0]
     shape, dtype, device = first.shape, first.dtype, first.device
     for slot in slots:
-        slot.set_()  # drops the only reference to its storage: freed here
+        slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
     try:
         flat = torch.empty(flat_shape(shape, len(slots)), dtype=dtype, device=device)
     except BaseException:
@@ -52,7 +52,7 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     pages.advise(flat)
     views = stacked(flat, len(slots), shape)
     for index, slot in enumerate(slots):
-        slot.set_(views[index])
+        slot.set_(views[index])  # type: ignore[call-overload]  # set_(Tensor): the stubs omit it
     return flat
 
 
@@ -64,7 +64,7 @@ def bump_versions(slots: List[torch.Tensor]) -> None:
 
 def _reallocate(slots: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
     for slot in slots:
-        slot.set_(torch.empty(shape, dtype=dtype, device=device))
+        slot.set_(torch.empty(shape, dtype=dtype, device=device))  # type: ignore[call-overload]
 
 
 def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:

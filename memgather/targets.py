@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -116,7 +116,7 @@ def select(names: Optional[Iterable[str]] = None) -> Selection:
         return Selection(BUILTIN)
     if isinstance(names, str):
         raise TypeError(f"targets must be a list of names, not the string {names!r} (did you mean [{names!r}]?)")
-    chosen = []
+    chosen: List[Target] = []
     every = False
     for raw in names:
         name = raw.strip()
