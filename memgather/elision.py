@@ -91,6 +91,8 @@ def is_given(slot: torch.Tensor) -> bool:
 
 def forget(slots: Sequence[torch.Tensor]) -> None:
     """The slots no longer share memory with a handed-out result (rebound or copied)."""
+    if not _given:
+        return
     for slot in slots:
         _given.discard(id(slot))
 

@@ -39,10 +39,10 @@ _madvise = _load_madvise()
 
 def advise(tensor: Any) -> None:
     """Ask for huge pages under a large, contiguous CPU tensor about to be written."""
-    if _madvise is None or tensor.device.type != "cpu":
+    if _madvise is None:
         return
     size = tensor.numel() * tensor.element_size()
-    if size < _MIN_BYTES:
+    if size < _MIN_BYTES or tensor.device.type != "cpu":
         return
     start = tensor.data_ptr()
     first = (start + _PAGE - 1) & ~(_PAGE - 1)

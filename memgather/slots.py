@@ -50,9 +50,11 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
         _reallocate(slots, shape, dtype, device)
         raise
     pages.advise(flat)
-    views = stacked(flat, len(slots), shape)
+    storage = flat.untyped_storage()
+    strides = flat.stride() if len(shape) else ()  # a slot is flat's rows d0 at a time: same strides
+    step = flat.numel() // len(slots)
     for index, slot in enumerate(slots):
-        slot.set_(views[index])  # type: ignore[call-overload]  # set_(Tensor): the stubs omit it
+        slot.set_(storage, index * step, shape, strides)
     return flat
 
 

@@ -143,7 +143,8 @@ def _check_slot(slot: Any, tensor: torch.Tensor) -> Optional[Reason]:
         return Reason.DTYPE_MISMATCH
     if slot.device != tensor.device:
         return Reason.DEVICE_MISMATCH
-    if _odd_layout(slot):
+    # Not quantized: the dtype equals the input's, which was checked.
+    if slot.layout is not torch.strided or slot.is_conj() or slot.is_neg():
         return Reason.UNSUPPORTED_LAYOUT
     if slot.shape != tensor.shape:
         return Reason.UNEVEN_SLOTS
@@ -157,19 +158,13 @@ def _check_slot(slot: Any, tensor: torch.Tensor) -> Optional[Reason]:
 def _adjacent(slots: list) -> bool:
     """Slots are contiguous views, in order, tiling one region of one storage."""
     first = slots[0]
-    if not first.is_contiguous():
-        return False
-    storage_ptr = first.untyped_storage().data_ptr()
     step = first.numel() * first.element_size()
     start = first.data_ptr()
-    for index, slot in enumerate(slots[1:], start=1):
-        if (
-            not slot.is_contiguous()
-            or slot.data_ptr() != start + index * step
-            or slot.untyped_storage().data_ptr() != storage_ptr
-        ):
-            return False
-    return True
+    # Addresses first: they rule out fresh slots at once, without a storage object.
+    if any(slot.data_ptr() != start + index * step for index, slot in enumerate(slots)):
+        return False
+    storage_ptr = first.untyped_storage().data_ptr()
+    return all(slot.is_contiguous() and slot.untyped_storage().data_ptr() == storage_ptr for slot in slots)
 
 
 def _input_overlaps_region(tensor: torch.Tensor, slots: list, rank: int) -> bool:
@@ -187,16 +182,20 @@ def _input_overlaps_region(tensor: torch.Tensor, slots: list, rank: int) -> bool
 def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
     if not compat.can_prove_exclusive():
         return fallback(Reason.CANNOT_PROVE_EXCLUSIVE)
-    input_storage = tensor.untyped_storage().data_ptr()
     for slot in slots:
         # Rebinding to a contiguous view would change a slot's strides, and
         # ranks could disagree on a permuted layout: contiguous slots only.
         if not slot.is_contiguous():
             return fallback(Reason.SLOT_NOT_CONTIGUOUS)
+        if slot is tensor:  # the only way an input can share a storage a slot holds alone
+            return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
+        if compat.holds_storage_alone(slot):
+            continue
         # A slot sharing its buffer only with a result elision handed out may
-        # be released: rebinding never writes into that buffer.
-        if not (compat.holds_storage_alone(slot) or elision.is_given(slot)):
+        # be released: rebinding never writes into that buffer. Unless the
+        # input is (a view of) that result.
+        if not elision.is_given(slot):
             return fallback(Reason.SLOTS_SHARED)
-        if slot.untyped_storage().data_ptr() == input_storage:
+        if slot.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
             return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
     return REBIND
