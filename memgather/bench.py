@@ -58,13 +58,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     rows = []
     for pattern in chosen:
-        results = {}
-        for mode in MODES:
-            started = time.perf_counter()
-            print(f"[bench] {pattern.label:<22} {mode:<9} {args.world_size} ranks, {backend}, shape {shape} {args.dtype}, "
-                  f"{args.repeat} repeats ...", end="", flush=True)
-            results[mode] = _run_mode(pattern.name, mode, backend, args.world_size, shape, args.dtype, args.repeat)
-            print(f" {time.perf_counter() - started:.1f} s", flush=True)
+        results: Dict[str, List[RankResult]] = {mode: [] for mode in MODES}
+        for round_index in range(args.rounds):
+            for mode in MODES:  # alternating, so that drift on the machine hits both modes alike
+                started = time.perf_counter()
+                print(f"[bench] {pattern.label:<22} {mode:<9} {args.world_size} ranks, {backend}, shape {shape} "
+                      f"{args.dtype}, {args.repeat} repeats, round {round_index + 1}/{args.rounds} ...", end="", flush=True)
+                results[mode] += _run_mode(pattern.name, mode, backend, args.world_size, shape, args.dtype, args.repeat)
+                print(f" {time.perf_counter() - started:.1f} s", flush=True)
         rows.append(_row(pattern, backend, args.world_size, shape, args.dtype, results))
     print(table(rows))
     if args.json:
@@ -89,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                         "of the reference figure (default %(default)s)")
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
     parser.add_argument("--repeat", type=int, default=5, help="measured gathers per pattern and mode (default 5)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="fresh process groups per pattern and mode, alternating modes; times are medians over "
+                        "all rounds (small gathers vary between process pairs: use 5 or more below 1 MiB)")
     parser.add_argument("--patterns", help="comma-separated subset of: " + ",".join(patterns.BY_NAME))
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA has a GPU per rank, else gloo")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -275,8 +279,7 @@ def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, 
     for d in shape:
         per_rank *= d
     peak = {mode: max(max(r.peaks) for r in ranks) for mode, ranks in results.items()}
-    median = {mode: statistics.median(max(r.seconds[i] for r in ranks) for i in range(len(ranks[0].seconds)))
-              for mode, ranks in results.items()}
+    median = {mode: statistics.median(_samples(ranks, world)) for mode, ranks in results.items()}
     floor = per_rank * (world + 1)  # the input, plus the gathered result that must exist
     return {
         "pattern": pattern.name, "label": pattern.label, "stands_for": pattern.stands_for,
@@ -288,6 +291,15 @@ def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, 
         "time_ratio": median["memgather"] / median["torch"],
         "identical": [r.digest for r in results["torch"]] == [r.digest for r in results["memgather"]],
     }
+
+
+def _samples(ranks: List[RankResult], world: int) -> List[float]:
+    """Per-call times, one per repeat and round: the slowest rank's (a gather ends when all have it)."""
+    samples = []
+    for first in range(0, len(ranks), world):  # results arrive a round (world ranks) at a time
+        group = ranks[first:first + world]
+        samples += [max(r.seconds[i] for r in group) for i in range(len(group[0].seconds))]
+    return samples
 
 
 def table(rows: List[Dict[str, Any]]) -> str:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
-from memgather import agreement, compat, config, counters, elision, pages, routes, slots
+from memgather import agreement, compat, config, counters, elision, groups, pages, routes, slots
 from memgather.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback, plan
 
 _log = logging.getLogger("memgather")
@@ -61,10 +61,11 @@ def all_gather(
     reason = _precondition(tensor, group)
     if reason is not None:
         return _fall_back(reason, tensor_list, tensor, group, async_op)
-    world = dist.get_world_size(group)
+    info = groups.describe(group)
+    world = info.world
     gathered = _gathered_bytes(tensor_list, world)
-    route = _route(tensor, group, gathered, world, async_op)
-    chosen = _plan(route, tensor_list, tensor, group, world, gathered)
+    route = _route(tensor, info, gathered, async_op)
+    chosen = _plan(route, tensor_list, tensor, info, gathered)
     if gathered is not None and (check or (route is not None and route.needs_agreement)):
         chosen = _agree(chosen, tensor_list, tensor, group, world, check)
     if not chosen.rewires:
@@ -110,16 +111,17 @@ def _precondition(tensor: Any, group: Any) -> Optional[Reason]:
     return None
 
 
-def _route(tensor: torch.Tensor, group: Any, gathered: Optional[int], world: int, async_op: bool) -> Optional[routes.Route]:
+def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int], async_op: bool) -> Optional[routes.Route]:
     """How the bytes would travel; None for a malformed list or an unsupported backend."""
     if gathered is None:
         return None
-    backend = routes.backend_name(group, tensor.device)
-    return routes.choose(backend, tensor.device, gathered, world, async_op, _settings.gloo_min_bytes)
+    device = tensor.device
+    backend = routes.backend_for_device(info.backend, device)
+    return routes.choose(backend, device, gathered, info.world, async_op, _settings.gloo_min_bytes)
 
 
 def _plan(
-    route: Optional[routes.Route], tensor_list: Any, tensor: torch.Tensor, group: Any, world: int, gathered: Optional[int]
+    route: Optional[routes.Route], tensor_list: Any, tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
 ) -> Plan:
     if gathered is not None and route is None:
         return fallback(Reason.BACKEND)
@@ -127,7 +129,7 @@ def _plan(
         return fallback(Reason.BELOW_THRESHOLD)
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         return fallback(Reason.INPUT_NOT_CONTIGUOUS)
-    return plan(tensor_list, tensor, world, dist.get_rank(group))  # a malformed call gets its precise reason here
+    return plan(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here
 
 
 def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:

@@ -39,7 +39,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from memgather import compat, pages, slots
+from memgather import compat, groups, pages, slots
 
 BROADCAST_MIN_BYTES_PER_RANK = 2 << 20
 
@@ -64,11 +64,6 @@ BROADCAST = Route("broadcast", saves_temp=True, needs_agreement=True)
 # Below the gloo threshold: gloo stages every all-gather through a temporary,
 # so there is nothing to save, and memgather's own work would only add time.
 PASSTHROUGH = Route("torch", saves_temp=False, needs_agreement=False)
-
-
-def backend_name(group: Any, device: torch.device) -> str:
-    """The backend serving ``device`` in ``group``."""
-    return backend_for_device(str(dist.get_backend(group)), device)
 
 
 def backend_for_device(name: str, device: torch.device) -> str:
@@ -115,7 +110,7 @@ def choose(
 def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
     """Gather every rank's ``tensor`` into ``flat``; returns what torch would."""
     if route is BROADCAST:
-        world = dist.get_world_size(group)
+        world = groups.describe(group).world
         return broadcast_into(list(slots.stacked(flat, world, tensor.shape).unbind(0)), tensor, group)
     primitive = compat.single_tensor_primitive().function
     assert primitive is not None  # core falls back (no_primitive) before any route runs
@@ -128,7 +123,7 @@ def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group
 
     The destinations must be contiguous and must not overlap one another.
     """
-    rank = dist.get_rank(group)
+    rank = groups.describe(group).rank
     for destination in destinations:
         pages.advise(destination)
     own = destinations[rank]
