@@ -118,3 +118,26 @@ def test_memgather_log_sends_messages_to_stderr() -> None:
 def test_a_bad_log_level_is_named() -> None:
     done = _run([PYTHON, "-c", "import memgather; memgather.patch()"], env={"MEMGATHER_LOG": "LOUD"})
     assert done.returncode == 1 and "MEMGATHER_LOG='LOUD' is not a logging level" in done.stderr
+
+
+def test_bench_runs_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    done = _run([PYTHON, "-m", "memgather", "bench", "--shape", "1024,1024", "--repeat", "1",
+                 "--patterns", "empty_like_cat,views_in_place", "--json", str(out)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[bench] empty_like + cat" in done.stdout and "identical" in done.stdout
+    rows = json.loads(out.read_text())
+    assert [row["pattern"] for row in rows] == ["empty_like_cat", "views_in_place"]
+    for row in rows:
+        assert row["identical"] and row["bytes_per_rank"] == 4 << 20
+        assert row["peak_memgather"] < row["peak_torch"]  # 4 MiB per rank: rewired, the temporary saved
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shape", "1024,x"], "--shape '1024,x': expected comma-separated integers"),
+    (["--shape", "0"], "every dimension must be positive"),
+    (["--patterns", "nope"], "unknown pattern(s) nope"),
+])
+def test_bench_names_bad_options(args: List[str], message: str) -> None:
+    done = _run([PYTHON, "-m", "memgather", "bench", *args])
+    assert done.returncode == 2 and message in done.stderr
