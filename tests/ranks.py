@@ -528,3 +528,54 @@ def elision_memory(ctx: Any, numel: int, elide: bool) -> Dict[str, Any]:
     gc.collect()
     dist.barrier()
     return {"growth": growth, "gathered": numel * 4 * ctx.world, "correct": correct}
+
+
+def repeated_gathers(ctx: Any, count: int, elide: bool) -> Dict[str, Any]:
+    """RSS before and after ``count`` rewired gathers (+ cat), and whether all were rewired."""
+    t = _filled(ctx.rank, (1024,))
+
+    def once() -> None:
+        slots = [torch.empty_like(t) for _ in range(ctx.world)]
+        memgather.all_gather(slots, t, elide=elide)
+        torch.cat(slots)
+
+    for _ in range(200):  # warm up allocator pools and caches
+        once()
+    import gc
+
+    gc.collect()
+    before = rss.current_bytes()
+    memgather.reset_stats()
+    for _ in range(count):
+        once()
+    gc.collect()
+    return {"growth": rss.current_bytes() - before, "rewired": memgather.stats().rewired}
+
+
+def buffers_freed_without_gc(ctx: Any, numel: int, elide: bool) -> Dict[str, Any]:
+    """Whether a gathered buffer dies as soon as its last holder goes, with the cyclic GC off.
+
+    The probe is a weak reference to the buffer's storage object: torch keeps a
+    storage's Python object alive exactly as long as the storage itself.
+    """
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        t = torch.rand(numel)
+        slots = [torch.empty_like(t) for _ in range(ctx.world)]
+        memgather.reset_stats()
+        memgather.all_gather(slots, t, elide=elide)
+        result = torch.cat(slots)
+        probe = weakref.ref(slots[0].untyped_storage())  # after the cat: taking it before would disarm the slots
+        shares = result.untyped_storage().data_ptr() == slots[0].untyped_storage().data_ptr()
+        del slots
+        alive_with_result = probe() is not None
+        del result
+        alive_after_all = probe() is not None
+    finally:
+        gc.enable()
+    return {"shares": shares, "alive_with_result": alive_with_result, "alive_after_all": alive_after_all,
+            "strategy": dict(memgather.stats().by_strategy)}
