@@ -579,3 +579,73 @@ def buffers_freed_without_gc(ctx: Any, numel: int, elide: bool) -> Dict[str, Any
         gc.enable()
     return {"shares": shares, "alive_with_result": alive_with_result, "alive_after_all": alive_after_all,
             "strategy": dict(memgather.stats().by_strategy)}
+
+
+def threads_on_own_groups(ctx: Any, threads: int, calls: int) -> Dict[str, Any]:
+    """``threads`` threads gather at once, each on its own process group; odd ones inside disabled()."""
+    import threading
+
+    from tests.sites import target_caller
+
+    groups = [dist.new_group(list(range(ctx.world))) for _ in range(threads)]  # same order on every rank
+    memgather.patch(["tests.sites.target_caller"])
+    memgather.reset_stats()
+    errors: List[str] = []
+    barrier = threading.Barrier(threads)
+
+    def work(index: int) -> None:
+        try:
+            barrier.wait(30)
+            for call in range(calls):
+                t = _filled(ctx.rank + 10 * index + call, (64,))
+                if index % 2:
+                    with memgather.disabled():
+                        slots = target_caller.gather_on(t, groups[index])
+                else:
+                    slots = target_caller.gather_on(t, groups[index])
+                if not all(torch.equal(s, _filled(r + 10 * index + call, (64,))) for r, s in enumerate(slots)):
+                    errors.append(f"thread {index} call {call}: wrong data")
+        except Exception as error:  # noqa: BLE001
+            errors.append(f"thread {index}: {type(error).__name__}: {error}")
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    memgather.unpatch()
+    snapshot = memgather.stats()
+    return {"errors": errors, "rewired": snapshot.rewired, "calls": snapshot.calls}
+
+
+def patch_races_gathers(ctx: Any, calls: int) -> Dict[str, Any]:
+    """One thread patches and unpatches in a loop while this one gathers from a target."""
+    import threading
+
+    from tests.sites import target_caller
+
+    stop = threading.Event()
+    problems: List[str] = []
+
+    def churn() -> None:
+        while not stop.is_set():
+            try:
+                memgather.patch(["tests.sites.target_caller"])
+                memgather.unpatch()
+            except Exception as error:  # noqa: BLE001
+                problems.append(f"{type(error).__name__}: {error}")
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for call in range(calls):
+            slots = target_caller.gather(_filled(ctx.rank + call, (64,)))
+            if not torch.equal(slots[0], _filled(call, (64,))):
+                problems.append(f"call {call}: wrong data")
+    finally:
+        stop.set()
+        thread.join(30)
+    memgather.unpatch()
+    consistent = dist.all_gather is dist.distributed_c10d.all_gather and not memgather.is_patched()
+    return {"problems": problems, "consistent": consistent,
+            "original_restored": dist.all_gather is memgather.core.original_all_gather()}

@@ -8,3 +8,9 @@ def gather(t: torch.Tensor) -> list:
     slots = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(slots, t)
     return slots
+
+
+def gather_on(t: torch.Tensor, group: object) -> list:
+    slots = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(slots, t, group=group)
+    return slots
