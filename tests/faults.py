@@ -1,0 +1,59 @@
+"""A 2-rank gloo job in which rank 1 fails one way or another (run by test_faults.py).
+
+Not a pool: a dead rank takes its process group with it, so every scenario
+gets fresh processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any, Dict
+
+
+def rank_main(rank: int, port: int, scenario: str, numel: int, async_op: bool, timeout_s: float, queue: Any) -> None:
+    os.environ["MEMGATHER_GLOO_MIN_BYTES"] = "0"  # every size rewired
+    import torch
+    import torch.distributed as dist
+
+    import memgather
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout_s))
+    dist.barrier()
+    if rank == 1:
+        if scenario == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        queue.put((rank, {"waited": True}))  # "absent": alive, but never joins the gather
+        _close(queue)
+        time.sleep(timeout_s * 4)  # outlives the survivor's timeout; the test reaps it
+        os._exit(0)
+    slots = [torch.zeros(numel) for _ in range(2)]
+    ids = [id(s) for s in slots]
+    started = time.monotonic()
+    result: Dict[str, Any] = {}
+    try:
+        work = memgather.all_gather(slots, torch.ones(numel), async_op=async_op)
+        if work is not None:
+            work.wait()
+        result["raised"] = None
+    except Exception as error:  # noqa: BLE001 - the outcome is the point
+        result["raised"] = type(error).__name__
+    result["elapsed"] = time.monotonic() - started
+    result["identity_kept"] = [id(s) for s in slots] == ids
+    result["shapes"] = [list(s.shape) for s in slots]
+    # Every byte of every slot can be read: its storage is allocated and large enough.
+    result["readable"] = all(s.untyped_storage().nbytes() >= s.numel() * s.element_size() for s in slots) and all(
+        s.clone().numel() == numel for s in slots
+    )
+    result["strategy"] = dict(memgather.stats().by_strategy)
+    queue.put((rank, result))
+    _close(queue)
+    os._exit(0)  # a broken group may not shut down cleanly; the process must still end
+
+
+def _close(queue: Any) -> None:
+    queue.close()
+    queue.join_thread()

@@ -1,0 +1,57 @@
+"""A rank that dies or never arrives: the survivor raises within the timeout, its slots stay
+valid, and every process is reaped."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queues
+import socket
+from typing import Any, Dict
+
+import pytest
+
+from tests.faults import rank_main
+
+TIMEOUT_S = 3.0
+MARGIN_S = 20.0
+
+
+def _run(scenario: str, numel: int, async_op: bool) -> Dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=rank_main, args=(rank, port, scenario, numel, async_op, TIMEOUT_S, results))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        got: Dict[int, Any] = {}
+        while 0 not in got:
+            rank, result = results.get(timeout=120)
+            got[rank] = result
+        return got[0]
+    except queues.Empty:
+        pytest.fail(f"the surviving rank did not report within 120 s ({scenario})")
+    finally:
+        for proc in procs:
+            proc.join(timeout=2)  # the absent rank would outlive the test: it is killed here
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+            assert not proc.is_alive()
+
+
+@pytest.mark.parametrize("scenario", ["killed", "absent"])
+@pytest.mark.parametrize("numel,async_op,strategy", [(1 << 20, False, {}), (1000, True, {"rebind": 1})],
+                         ids=["broadcast-route", "single-route-after-rebind"])
+def test_survivor_raises_in_time_with_valid_slots(scenario: str, numel: int, async_op: bool, strategy: Any) -> None:
+    result = _run(scenario, numel, async_op)
+    assert result["raised"] is not None, result
+    assert result["elapsed"] < TIMEOUT_S + MARGIN_S, result
+    assert result["identity_kept"] and result["readable"], result
+    assert result["shapes"] == [[numel], [numel]]
+    # Broadcast route: the ranks' agreement fails first, before any slot is touched.
+    # Single route: the slots were already rebound when the collective failed.
+    assert result["strategy"] == strategy, result
