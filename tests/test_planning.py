@@ -104,14 +104,15 @@ def model(layout: str, world: int, shape: Tuple[int, ...], dtype: torch.dtype) -
         return "input_overlaps_output"
     if layout in ("reversed_adjacent", "gapped", "fresh_one_view_held"):
         return "slots_shared"
-    if layout == "one_noncontiguous":
-        return "slot_not_contiguous" if transposed else "rebind"
+    if layout == "one_noncontiguous" and len(shape) == 2:
+        # Contiguous or not, a .t() view keeps its base alive: it does not hold its storage alone.
+        return "slot_not_contiguous" if transposed else "slots_shared"
     if layout == "input_is_fresh_slot":
         return "input_overlaps_output"
     return "rebind"
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None, derandomize=True)  # the same examples on every CI run
 @given(
     layout=st.sampled_from(LAYOUTS),
     world=st.integers(1, 4),
