@@ -57,3 +57,35 @@ def rank_main(rank: int, port: int, scenario: str, numel: int, async_op: bool, t
 def _close(queue: Any) -> None:
     queue.close()
     queue.join_thread()
+
+
+def uneven_main(rank: int, port: int, mode: str, kind: str, queue: Any) -> None:
+    """Ranks disagree on shape or dtype, check off: torch's outcome or memgather's, as data."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    import memgather
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=10))
+    shape = (1 << 19, 2)  # 4 MiB of float32 per rank: memgather's broadcast route
+    dtype = torch.float32
+    if rank == 1 and kind == "first-dim":
+        shape = ((1 << 19) + 1, 2)
+    elif rank == 1 and kind == "trailing-dim":
+        shape = (1 << 19, 3)
+    elif rank == 1 and kind == "dtype":
+        dtype = torch.int32  # same bytes, other dtype: torch passes the bytes through
+    slots = [torch.zeros(shape, dtype=dtype) for _ in range(2)]
+    gather = memgather.all_gather if mode == "memgather" else dist.all_gather
+    try:
+        gather(slots, torch.ones(shape, dtype=dtype))
+        digest = hashlib.sha256(b"".join(s.contiguous().view(torch.uint8).numpy().tobytes() for s in slots)).hexdigest()
+        outcome = f"ok {digest}"
+    except Exception as error:  # noqa: BLE001
+        outcome = f"raised {type(error).__name__}"
+    queue.put((rank, outcome))
+    _close(queue)
+    os._exit(0)

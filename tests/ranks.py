@@ -649,3 +649,17 @@ def patch_races_gathers(ctx: Any, calls: int) -> Dict[str, Any]:
     consistent = dist.all_gather is dist.distributed_c10d.all_gather and not memgather.is_patched()
     return {"problems": problems, "consistent": consistent,
             "original_restored": dist.all_gather is memgather.core.original_all_gather()}
+
+
+def uneven_inputs(ctx: Any, shapes: List[List[int]], dtypes: List[str]) -> Dict[str, Any]:
+    """check=True where rank i passes shapes[i] / dtypes[i] and its slots expect its own shape."""
+    import time
+
+    shape, dtype = tuple(shapes[ctx.rank]), getattr(torch, dtypes[ctx.rank])
+    slots = [torch.zeros(shape, dtype=dtype) for _ in range(ctx.world)]
+    started = time.monotonic()
+    try:
+        memgather.all_gather(slots, torch.ones(shape, dtype=dtype), check=True)
+    except memgather.UnevenShapesError as error:
+        return {"raised": True, "message": str(error), "elapsed": time.monotonic() - started}
+    return {"raised": False}

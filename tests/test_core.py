@@ -17,6 +17,7 @@ from tests.ranks import (
     gather_result,
     peak_growth,
     uneven_check,
+    uneven_inputs,
     warnings_raised,
 )
 
@@ -127,3 +128,17 @@ def test_no_warning_from_memgathers_own_calls(pools: Any) -> None:
     """all_gather_into_tensor and _all_gather_base warn on torch 2.13: memgather must not call them."""
     for caught in unwrap(pools(2).run(warnings_raised)):
         assert caught == []
+
+
+@pytest.mark.parametrize(
+    "shapes,dtypes,named",
+    [([[4, 3], [5, 3]], ["float32", "float32"], ["rank 0: (4, 3) float32", "rank 1: (5, 3) float32"]),
+     ([[4, 3], [4, 2]], ["float32", "float32"], ["rank 0: (4, 3) float32", "rank 1: (4, 2) float32"]),
+     ([[4, 3], [4, 3]], ["float32", "int32"], ["rank 0: (4, 3) float32", "rank 1: (4, 3) int32"])],
+    ids=["first-dim", "trailing-dim", "dtype"],
+)
+def test_check_names_every_kind_of_unevenness(pools: Any, shapes: Any, dtypes: Any, named: Any) -> None:
+    for result in unwrap(pools(2).run(uneven_inputs, shapes, dtypes, timeout_s=60)):
+        assert result["raised"] and result["elapsed"] < 10
+        for part in named:
+            assert part in result["message"]

@@ -55,3 +55,39 @@ def test_survivor_raises_in_time_with_valid_slots(scenario: str, numel: int, asy
     # Broadcast route: the ranks' agreement fails first, before any slot is touched.
     # Single route: the slots were already rebound when the collective failed.
     assert result["strategy"] == strategy, result
+
+
+def _uneven(mode: str, kind: str) -> Dict[int, Any]:
+    """Each rank's outcome: its report, or how its process ended."""
+    from tests.faults import uneven_main
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=uneven_main, args=(rank, port, mode, kind, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+    outcomes: Dict[int, Any] = {}
+    while True:
+        try:
+            rank, outcome = results.get(timeout=1)
+        except queues.Empty:
+            break
+        outcomes[rank] = outcome
+    for rank, proc in enumerate(procs):
+        outcomes.setdefault(rank, f"exited {proc.exitcode}")
+    return outcomes
+
+
+@pytest.mark.parametrize("kind", ["first-dim", "trailing-dim", "dtype"])
+def test_uneven_ranks_without_check_end_as_torch_ends(kind: str) -> None:
+    """Check off, memgather gives torch's outcome: gloo aborts on a size mismatch, and passes
+    same-sized bytes of another dtype through. (The README tabulates it.)"""
+    assert _uneven("memgather", kind) == _uneven("torch", kind)
