@@ -663,3 +663,21 @@ def uneven_inputs(ctx: Any, shapes: List[List[int]], dtypes: List[str]) -> Dict[
     except memgather.UnevenShapesError as error:
         return {"raised": True, "message": str(error), "elapsed": time.monotonic() - started}
     return {"raised": False}
+
+
+def compiled_gather(ctx: Any, backend: str) -> Dict[str, Any]:
+    """torch.compile of a target module's function that calls dist.all_gather, memgather patched."""
+    from tests.sites import target_caller
+
+    torch._dynamo.reset()
+    t = _filled(ctx.rank, (1 << 19,))  # 2 MiB: rewired when not compiled
+    memgather.patch(["tests.sites.target_caller"])
+    try:
+        memgather.reset_stats()
+        compiled = torch.compile(target_caller.gather, backend=backend)
+        got = compiled(t)
+        snapshot = memgather.stats()
+    finally:
+        memgather.unpatch()
+    want = [_filled(r, (1 << 19,)) for r in range(ctx.world)]
+    return {"correct": all(torch.equal(a, b) for a, b in zip(got, want)), "rewired": snapshot.rewired}
