@@ -31,6 +31,8 @@ def _run(scenario: str, numel: int, async_op: bool) -> Dict[str, Any]:
         while 0 not in got:
             rank, result = results.get(timeout=120)
             got[rank] = result
+        procs[0].join(timeout=60)
+        got[0]["exitcode"] = procs[0].exitcode
         return got[0]
     except queues.Empty:
         pytest.fail(f"the surviving rank did not report within 120 s ({scenario})")
@@ -55,6 +57,7 @@ def test_survivor_raises_in_time_with_valid_slots(scenario: str, numel: int, asy
     # Broadcast route: the ranks' agreement fails first, before any slot is touched.
     # Single route: the slots were already rebound when the collective failed.
     assert result["strategy"] == strategy, result
+    assert result["exitcode"] == 0, result  # shut down cleanly: process group destroyed, normal exit
 
 
 def _uneven(mode: str, kind: str) -> Dict[int, Any]:
