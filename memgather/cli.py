@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="built-in targets, module prefixes or '*' (default: every built-in target)")
     run.add_argument("--check", action="store_true", help="cross-rank shape check on every rewired call")
     run.add_argument("--force", action="store_true", help="also rewire targets outside their tested version range")
+    run.add_argument("--elide", choices=["on", "off"],
+                     help="cat elision for every rewired call (on) or none (off); default: audited targets only")
     run.add_argument("--report", choices=["rank0", "all"], help="write statistics to stderr at exit")
     run.add_argument("--log", metavar="LEVEL", help="log memgather's messages at LEVEL (DEBUG, INFO, ...)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
@@ -70,6 +72,8 @@ def _run(parsed: argparse.Namespace) -> int:
         env["MEMGATHER_CHECK"] = "1"
     if parsed.force:
         env["MEMGATHER_FORCE"] = "1"
+    if parsed.elide:
+        env["MEMGATHER_ELIDE"] = "1" if parsed.elide == "on" else "0"
     if parsed.report:
         env["MEMGATHER_REPORT"] = parsed.report
     if parsed.log:
