@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.overrides import has_torch_function
 
 from memgather import agreement, compat, config, counters, elision, groups, pages, routes, slots
-from memgather.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback, plan
+from memgather.strategies import DIRECT, IN_SLOTS, REBIND, Plan, Reason, fallback, plan
 
 _log = logging.getLogger("memgather")
 
@@ -175,21 +175,21 @@ def _rewire(
     gathered: int,
     elide: bool,
 ) -> Any:
-    if chosen is not DIRECT and route is routes.BROADCAST and not elide and not elision.any_given(tensor_list):
+    if route is routes.BROADCAST and chosen is not DIRECT and not elide and not elision.any_given(tensor_list):
         chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
     counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
-    if chosen is IN_SLOTS:
+    if route is routes.BROADCAST and chosen is not REBIND:
+        # Direct slots already are the views a broadcast fills, and in_slots ones are filled
+        # where they lie: either way the slots themselves are the destinations.
         routes.broadcast_into(tensor_list, tensor, group)
         slots.bump_versions(tensor_list)
         return None  # synchronous, as torch's all_gather with async_op=False
     if chosen is DIRECT:
-        flat = slots.region(tensor_list)
-    else:
-        flat = slots.rebind(tensor_list)
-        elision.forget(tensor_list)
-        if elide:
-            elision.arm(tensor_list, flat)
-    work = routes.run(route, flat, tensor, group, async_op)
-    if chosen is DIRECT:
+        work = routes.run(route, slots.region(tensor_list), tensor, group, async_op)
         slots.bump_versions(tensor_list)
-    return work
+        return work
+    flat = slots.rebind(tensor_list)
+    elision.forget(tensor_list)
+    if elide:
+        elision.arm(tensor_list, flat)
+    return routes.run(route, flat, tensor, group, async_op)
