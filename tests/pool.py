@@ -34,7 +34,7 @@ class RankPool:
         self.world = world
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.closed = False
         self._conns = []
         self._procs = []
@@ -123,7 +123,8 @@ def _resolve(module: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a process group's rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

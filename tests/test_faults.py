@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queues
-import socket
 from typing import Any, Dict
 
 import pytest
 
 from tests.faults import rank_main
+from tests.pool import free_port
 
 TIMEOUT_S = 3.0
 MARGIN_S = 20.0
@@ -19,9 +19,7 @@ MARGIN_S = 20.0
 def _run(scenario: str, numel: int, async_op: bool) -> Dict[str, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(rank, port, scenario, numel, async_op, TIMEOUT_S, results))
              for rank in range(2)]
     for proc in procs:
@@ -66,9 +64,7 @@ def _uneven(mode: str, kind: str) -> Dict[int, Any]:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=uneven_main, args=(rank, port, mode, kind, results)) for rank in range(2)]
     for proc in procs:
         proc.start()
@@ -93,4 +89,12 @@ def _uneven(mode: str, kind: str) -> Dict[int, Any]:
 def test_uneven_ranks_without_check_end_as_torch_ends(kind: str) -> None:
     """Check off, memgather gives torch's outcome: gloo aborts on a size mismatch, and passes
     same-sized bytes of another dtype through. (The README tabulates it.)"""
-    assert _uneven("memgather", kind) == _uneven("torch", kind)
+    ours, torchs = _uneven("memgather", kind), _uneven("torch", kind)
+    if kind == "dtype":
+        assert ours == torchs
+        return
+    # On a size mismatch gloo aborts rank 0; rank 1 races that abort, under torch itself:
+    # measured 5 torch runs, 4 raised RuntimeError, 1 returned (with garbage). Both are torch's.
+    for outcomes in (ours, torchs):
+        assert outcomes[0] == "exited -6", outcomes  # SIGABRT
+        assert outcomes[1] == "raised RuntimeError" or outcomes[1].startswith("ok "), outcomes
