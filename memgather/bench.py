@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=5, help="measured gathers per pattern and mode (default 5)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="fresh process groups per pattern and mode, alternating modes; times are medians over "
-                        "all rounds (small gathers vary between process pairs: use 5 or more below 1 MiB)")
+                        "all rounds (small gathers vary between process pairs: use 15 below 1 MiB)")
     parser.add_argument("--patterns", help="comma-separated subset of: " + ",".join(patterns.BY_NAME))
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA has a GPU per rank, else gloo")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -131,7 +131,7 @@ def _default_backend(world: int) -> str:
 
 
 def _run_mode(pattern: str, mode: str, backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int) -> List[RankResult]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [
@@ -149,6 +149,21 @@ def _run_mode(pattern: str, mode: str, backend: str, world: int, shape: Tuple[in
     if failed:
         raise RuntimeError(f"{pattern} ({mode}) failed: " + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
     return [RankResult(**by_rank[rank]) for rank in range(world)]
+
+
+def _context() -> Any:
+    """Fresh rank processes, forked from a server that has imported torch once.
+
+    Each fork starts with nothing of memgather set up and no process group, as a
+    spawned interpreter would, but in a fraction of a second instead of two: the
+    small-size rows need many process pairs (``--rounds``) to average out how
+    each pair happens to be scheduled.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 def _rank_main(rank: int, world: int, port: int, backend: str, pattern: str, mode: str, shape: Tuple[int, ...],
@@ -182,27 +197,53 @@ def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode:
     gather = patterns.function(pattern, memgather_mode=(mode == "memgather"))
     generator = torch.Generator().manual_seed(rank)
     tensor = (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype)).to(device)
-    meter = _Meter(device)
+    peaks, digest = _peaks(gather, tensor, repeat)
     inner = _calls_per_sample(gather, tensor)
-    peaks, seconds, digest = [], [], ""
-    for index in range(repeat):
-        meter.reset()  # before the barrier: its cost on one rank must not show as the other's wait
-        dist.barrier()
-        result = gather(tensor)
-        meter.synchronize()
-        peaks.append(tensor.numel() * tensor.element_size() + meter.growth())
-        if index == 0:
-            digest = _digest(result)
-        del result
+    seconds = []
+    for _ in range(repeat):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(inner):
             gather(tensor)
-        meter.synchronize()
+        _synchronize(device)
         seconds.append((time.perf_counter() - start) / inner)
     dist.barrier()
     dist.destroy_process_group()
     return RankResult(peaks, seconds, digest)
+
+
+def _peaks(gather: Any, tensor: Any, repeat: int) -> Tuple[List[int], str]:
+    """Peak memory of ``repeat`` gathers (input included), and a digest of the result.
+
+    Measured before any timing, with every allocation of 64 KiB or more taken
+    from the system and given back when freed (CPU): otherwise glibc keeps
+    freed temporaries of up to 32 MiB in its heap after the first few calls,
+    and a later call's peak would not show in the resident set.
+    """
+    import torch.distributed as dist
+
+    meter = _Meter(tensor.device)
+    meter.start()
+    gather(tensor)  # the warm-up: first-call costs are not the gather's
+    peaks, digest = [], ""
+    for index in range(repeat):
+        meter.reset()  # before the barrier: its cost on one rank must not show as the other's wait
+        dist.barrier()
+        result = gather(tensor)
+        _synchronize(tensor.device)
+        peaks.append(tensor.numel() * tensor.element_size() + meter.growth())
+        if index == 0:
+            digest = _digest(result)
+        del result
+    meter.stop()
+    return peaks, digest
+
+
+def _synchronize(device: Any) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def _pin_main_thread(rank: int) -> None:
@@ -218,16 +259,33 @@ def _pin_main_thread(rank: int) -> None:
 
 def _calls_per_sample(gather: Any, tensor: Any) -> int:
     """Calls per timing sample: enough for about 50 ms, so that small gathers are not
-    timed against the skew of the barrier before them. The same on every rank."""
+    timed against the skew of the barrier before them. The same on every rank.
+
+    Batches double until one lasts 50 ms on the slowest rank, which also warms up:
+    first calls pay for lazy set-up (the backend's buffers, the pages of the
+    result). Timing one call alone made small samples a few calls long and their
+    medians vary by 2x or more.
+    """
+    calls = 1
+    while True:
+        elapsed = _slowest(gather, tensor, calls)
+        if elapsed >= 0.05 or calls >= 4096:
+            return max(1, int(calls * 0.05 / max(elapsed, 1e-9)))
+        calls *= 2
+
+
+def _slowest(gather: Any, tensor: Any, calls: int) -> float:
+    """Seconds ``calls`` gathers take on the slowest rank (every rank gets the same answer)."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
     start = time.perf_counter()
-    gather(tensor)  # also the warm-up: first-call costs are not the gather's
+    for _ in range(calls):
+        gather(tensor)
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=tensor.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return max(1, min(2000, int(0.05 / max(float(elapsed), 1e-6))))
+    return float(elapsed)
 
 
 class _Meter:
@@ -252,9 +310,13 @@ class _Meter:
             rss.reset_peak()
             self.before = rss.current_bytes()
 
-    def synchronize(self) -> None:
-        if self.cuda is not None:
-            self.cuda.synchronize(self.device)
+    def start(self) -> None:
+        if self.cuda is None:
+            rss.track_allocations(True)
+
+    def stop(self) -> None:
+        if self.cuda is None:
+            rss.track_allocations(False)
 
     def growth(self) -> int:
         peak = self.cuda.max_memory_allocated(self.device) if self.cuda is not None else rss.peak_bytes()
