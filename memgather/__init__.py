@@ -2,14 +2,14 @@
 
 Public API::
 
-    memgather.patch(targets=None, *, check=None, force=None) / unpatch() / is_patched()
+    memgather.patch(targets=None, *, check=None, force=None, elide=None, verify=None) / unpatch() / is_patched()
     memgather.disabled()                 # opt out, as context manager or decorator
     memgather.all_gather(tensor_list, tensor, group=None, async_op=False)
     memgather.gather(tensor, group=None) -> Tensor
     memgather.stats() / memgather.reset_stats()
     memgather.primitive()                # the single-tensor all-gather this torch offers, and why
     memgather.TARGETS                    # the built-in target registry
-    memgather.UnevenShapesError
+    memgather.UnevenShapesError, memgather.VerifyError
 
 Names are imported on first use, so ``import memgather`` (and the start-up
 hook in ``memgather.pth``) does not import torch.
@@ -35,6 +35,7 @@ _EXPORTS = {
     "primitive": ("memgather.compat", "single_tensor_primitive"),
     "Primitive": ("memgather.compat", "Primitive"),
     "UnevenShapesError": ("memgather.errors", "UnevenShapesError"),
+    "VerifyError": ("memgather.errors", "VerifyError"),
     "Reason": ("memgather.strategies", "Reason"),
     "Strategy": ("memgather.strategies", "Strategy"),
     "Target": ("memgather.targets", "Target"),
@@ -62,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from memgather.compat import Primitive
     from memgather.compat import single_tensor_primitive as primitive
     from memgather.core import all_gather, gather
-    from memgather.errors import UnevenShapesError
+    from memgather.errors import UnevenShapesError, VerifyError
     from memgather.patcher import is_patched, patch, unpatch
     from memgather.scope import disabled
     from memgather.counters import Stats, reset_stats, stats

@@ -12,7 +12,7 @@ _DESCRIPTION = """\
 memgather rewires torch.distributed.all_gather calls of selected libraries to one
 flat buffer and a single collective, without editing their code.
 
-  memgather run [--targets T ...] [--check] -- CMD ...   run CMD with memgather on
+  memgather run [--targets T ...] [--check] [--verify] -- CMD ...   run CMD with memgather on
   memgather doctor                                        what memgather would do here
   memgather bench [...]                                   torch vs memgather, measured
 """
@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="built-in targets, module prefixes or '*' (default: every built-in target)")
     run.add_argument("--check", action="store_true", help="cross-rank shape check on every rewired call")
     run.add_argument("--force", action="store_true", help="also rewire targets outside their tested version range")
+    run.add_argument("--verify", action="store_true",
+                     help="check every rewired call against the original all_gather (test runs: doubles each gather)")
     run.add_argument("--elide", choices=["on", "off"],
                      help="cat elision for every rewired call (on) or none (off); default: audited targets only")
     run.add_argument("--report", choices=["rank0", "all"], help="write statistics to stderr at exit")
@@ -72,6 +74,8 @@ def _run(parsed: argparse.Namespace) -> int:
         env["MEMGATHER_CHECK"] = "1"
     if parsed.force:
         env["MEMGATHER_FORCE"] = "1"
+    if parsed.verify:
+        env["MEMGATHER_VERIFY"] = "1"
     if parsed.elide:
         env["MEMGATHER_ELIDE"] = "1" if parsed.elide == "on" else "0"
     if parsed.report:

@@ -6,6 +6,7 @@
 | ``MEMGATHER_TARGETS`` | comma-separated names | targets to rewire (built-in names, module prefixes, ``*``); unset: every built-in |
 | ``MEMGATHER_CHECK`` | boolean | cross-rank shape check on every rewired call |
 | ``MEMGATHER_FORCE`` | boolean | rewire targets whose installed version is outside the tested range |
+| ``MEMGATHER_VERIFY`` | boolean | check every rewired call against the original all_gather (test runs) |
 | ``MEMGATHER_ELIDE`` | unset, boolean | cat elision: unset = audited targets only, 1 = every rewired call, 0 = never |
 | ``MEMGATHER_GLOO_MIN_BYTES`` | bytes per rank | gloo calls below this are left to torch (default 2 MiB; 0 rewires all) |
 | ``MEMGATHER_HUGE_PAGES`` | boolean, default on | huge-page advice on large CPU buffers memgather fills |
@@ -33,6 +34,7 @@ class Settings:
     targets: Optional[Tuple[str, ...]] = None
     check: bool = False
     force: bool = False
+    verify: bool = False
     elide: Optional[bool] = None
     gloo_min_bytes: Optional[int] = None
     huge_pages: bool = True
@@ -60,6 +62,7 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
         targets=None if raw_targets is None else tuple(t.strip() for t in raw_targets.split(",") if t.strip()),
         check=parse_bool("MEMGATHER_CHECK", env.get("MEMGATHER_CHECK", "")),
         force=parse_bool("MEMGATHER_FORCE", env.get("MEMGATHER_FORCE", "")),
+        verify=parse_bool("MEMGATHER_VERIFY", env.get("MEMGATHER_VERIFY", "")),
         elide=_optional_bool("MEMGATHER_ELIDE", env.get("MEMGATHER_ELIDE", "")),
         gloo_min_bytes=_optional_size("MEMGATHER_GLOO_MIN_BYTES", env.get("MEMGATHER_GLOO_MIN_BYTES", "")),
         huge_pages=parse_bool("MEMGATHER_HUGE_PAGES", env.get("MEMGATHER_HUGE_PAGES", "1")),
@@ -101,7 +104,7 @@ def _parse_report(value: str) -> str:
 
 
 def export(
-    enabled: bool, targets: Tuple[str, ...], check: bool, force: bool, elide: Optional[bool]
+    enabled: bool, targets: Tuple[str, ...], check: bool, force: bool, elide: Optional[bool], verify: bool = False
 ) -> Mapping[str, Optional[str]]:
     """Write settings to ``os.environ`` so spawned children re-patch; returns the previous values."""
     values = {
@@ -110,6 +113,7 @@ def export(
         "MEMGATHER_CHECK": "1" if check else "0",
         "MEMGATHER_FORCE": "1" if force else "0",
         "MEMGATHER_ELIDE": "" if elide is None else ("1" if elide else "0"),
+        "MEMGATHER_VERIFY": "1" if verify else "0",
     }
     previous = {name: os.environ.get(name) for name in values}
     os.environ.update(values)

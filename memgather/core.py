@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
-from memgather import agreement, compat, config, counters, elision, groups, pages, routes, slots
+from memgather import agreement, compat, config, counters, elision, groups, pages, routes, slots, verification
 from memgather.strategies import DIRECT, IN_SLOTS, REBIND, Plan, Reason, fallback, plan
 
 _log = logging.getLogger("memgather")
@@ -26,6 +26,7 @@ _log = logging.getLogger("memgather")
 _original_all_gather = dist.distributed_c10d.all_gather
 
 _settings = config.load()
+_gloo_min_bytes = routes.gloo_threshold(_settings.gloo_min_bytes)
 
 
 def original_all_gather() -> Any:
@@ -41,6 +42,7 @@ def all_gather(
     *,
     check: Optional[bool] = None,
     elide: Optional[bool] = None,
+    verify: Optional[bool] = None,
 ) -> Any:
     """Drop-in for ``torch.distributed.all_gather``, gathering into one flat buffer.
 
@@ -55,9 +57,14 @@ def all_gather(
     while the slots are even. ``elide`` (default: ``MEMGATHER_ELIDE``, else
     off) lets a following ``torch.cat(tensor_list)`` / ``torch.stack`` return
     the gathered buffer itself instead of a copy: only for code that drops
-    the list after concatenating it (see ``memgather.elision``).
+    the list after concatenating it (see ``memgather.elision``). ``verify``
+    (default: ``MEMGATHER_VERIFY``) runs the original again for every rewired
+    call and raises ``VerifyError`` on every rank if the results differ (see
+    ``memgather.verification``: for test runs).
     """
     check = _settings.check if check is None else check
+    if not check and _small_on_gloo(tensor_list, tensor, group):
+        return _fall_back(Reason.BELOW_THRESHOLD, tensor_list, tensor, group, async_op)
     reason = _precondition(tensor, group)
     if reason is not None:
         return _fall_back(reason, tensor_list, tensor, group, async_op)
@@ -71,8 +78,9 @@ def all_gather(
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
     elide = bool(_settings.elide) if elide is None else elide
+    verify = _settings.verify if verify is None else verify
     assert route is not None and gathered is not None  # a plan that rewires had both
-    return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, elide)
+    return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, elide, verify)
 
 
 def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = None) -> torch.Tensor:
@@ -90,6 +98,23 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
     pages.advise(out)
     all_gather(list(slots.stacked(out, world, tensor.shape).unbind(0)), tensor, group, check=check)
     return out
+
+
+def _small_on_gloo(tensor_list: Any, tensor: Any, group: Any) -> bool:
+    """Whether the call certainly takes the passthrough route, told from cheap facts.
+
+    Small gloo calls are the most frequent kind and the ones where memgather's
+    own time shows: each microsecond of Python costs about two on the wall
+    clock of a 4 KiB gather. So they are recognised before anything else. A
+    call this cannot settle at once (a group not seen before, a subclass, a
+    malformed list, another backend) takes the full path. Whatever the full
+    path would have decided, such a call ends with the original all_gather.
+    """
+    info = groups.known(group)
+    if info is None or info.backend != "gloo" or type(tensor) is not torch.Tensor or not tensor.is_cpu:
+        return False
+    gathered = _gathered_bytes(tensor_list, info.world)
+    return gathered is not None and gathered < info.world * _gloo_min_bytes
 
 
 def _precondition(tensor: Any, group: Any) -> Optional[Reason]:
@@ -117,7 +142,7 @@ def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
         return None
     device = tensor.device
     backend = routes.backend_for_device(info.backend, device)
-    return routes.choose(backend, device, gathered, info.world, async_op, _settings.gloo_min_bytes)
+    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes)
 
 
 def _plan(
@@ -174,6 +199,7 @@ def _rewire(
     async_op: bool,
     gathered: int,
     elide: bool,
+    verify: bool,
 ) -> Any:
     if route is routes.BROADCAST and chosen is not DIRECT and not elide and not elision.any_given(tensor_list):
         chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
@@ -183,13 +209,28 @@ def _rewire(
         # where they lie: either way the slots themselves are the destinations.
         routes.broadcast_into(tensor_list, tensor, group)
         slots.bump_versions(tensor_list)
-        return None  # synchronous, as torch's all_gather with async_op=False
+        # Synchronous, as torch's all_gather with async_op=False.
+        return _verified(None, tensor_list, tensor, group, chosen, verify)
     if chosen is DIRECT:
         work = routes.run(route, slots.region(tensor_list), tensor, group, async_op)
         slots.bump_versions(tensor_list)
-        return work
+        return _verified(work, tensor_list, tensor, group, chosen, verify)
     flat = slots.rebind(tensor_list)
     elision.forget(tensor_list)
     if elide:
         elision.arm(tensor_list, flat)
-    return routes.run(route, flat, tensor, group, async_op)
+    work = routes.run(route, flat, tensor, group, async_op)
+    if not verify:
+        return work
+    # The slots may be armed for elision: compare plain views of the same buffer.
+    views = list(slots.stacked(flat, len(tensor_list), tensor.shape).unbind(0))
+    return _verified(work, views, tensor, group, chosen, verify)
+
+
+def _verified(work: Any, gathered: List[torch.Tensor], tensor: torch.Tensor, group: Any, chosen: Plan, verify: bool) -> Any:
+    if verify:
+        if work is not None:
+            work.wait()  # verify mode completes async calls before they return
+        verification.verify(_original_all_gather, gathered, tensor, group, chosen.strategy.value)
+        counters.record_verified()
+    return work

@@ -13,6 +13,7 @@ _strategies: Counter = Counter()
 _routes: Counter = Counter()
 _fallbacks: Counter = Counter()
 _bytes_saved = 0
+_verified = 0
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,8 @@ class Stats:
 
     ``by_strategy`` counts calls per strategy ("direct", "rebind",
     "fallback"), ``by_route`` rewired calls per collective ("single",
-    "broadcast"), ``fallbacks`` fallback calls per reason. ``bytes_saved`` is
+    "broadcast"), ``fallbacks`` fallback calls per reason, ``verified`` rewired calls that
+    verify mode found identical to the original. ``bytes_saved`` is
     what the backend's gathered-size temporary would have cost on the
     unpatched path, summed over calls whose route avoids it (a model, not a
     measurement: ``memgather bench`` measures).
@@ -31,6 +33,7 @@ class Stats:
     by_route: Mapping[str, int] = field(default_factory=dict)
     fallbacks: Mapping[str, int] = field(default_factory=dict)
     bytes_saved: int = 0
+    verified: int = 0
 
     @property
     def calls(self) -> int:
@@ -48,6 +51,7 @@ class Stats:
             f"memgather: {self.calls} calls, {self.rewired} rewired "
             f"({counts(self.by_strategy)}); routes: {counts(self.by_route)}; "
             f"fallbacks: {counts(self.fallbacks)}; saved {_human(self.bytes_saved)}"
+            + (f"; verified {self.verified}" if self.verified else "")
         )
 
 
@@ -63,6 +67,13 @@ def record(strategy: str, route: Optional[str] = None, reason: Optional[str] = N
         _bytes_saved += saved
 
 
+def record_verified() -> None:
+    """Count one rewired call that verify mode found identical to the original."""
+    global _verified
+    with _lock:
+        _verified += 1
+
+
 def stats() -> Stats:
     """This process's counters, as an immutable snapshot."""
     with _lock:
@@ -71,17 +82,20 @@ def stats() -> Stats:
             MappingProxyType(dict(_routes)),
             MappingProxyType(dict(_fallbacks)),
             _bytes_saved,
+            _verified,
         )
 
 
 def reset_stats() -> None:
     """Zero every counter of this process."""
-    global _bytes_saved
+    global _bytes_saved, _verified
     with _lock:
         _strategies.clear()
         _routes.clear()
         _fallbacks.clear()
         _bytes_saved = 0
+        _verified = 0
+_verified = 0
 
 
 def _human(size: float) -> str:

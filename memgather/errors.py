@@ -26,3 +26,22 @@ class UnevenShapesError(ValueError):
             "all_gather inputs differ across ranks, but the output slots expect "
             f"every rank's shape to be the same ({described})"
         )
+
+
+class VerifyError(RuntimeError):
+    """Verify mode found a rewired all-gather whose result differs from the original's.
+
+    Raised on every rank of the group. ``site`` is the calling code, ``shape``
+    and ``dtype`` the input's, ``seen_by`` the group rank that found it, and
+    ``rank`` / ``index`` the first differing slot and the element in it.
+    """
+
+    def __init__(self, site: str, shape: Tuple[int, ...], dtype: torch.dtype, strategy: str, seen_by: int,
+                 rank: int, index: Tuple[int, ...]) -> None:
+        self.site, self.shape, self.dtype, self.strategy = site, shape, dtype, strategy
+        self.seen_by, self.rank, self.index = seen_by, rank, index
+        super().__init__(
+            f"memgather verify: all_gather from {site}, input {shape} {str(dtype).replace('torch.', '')}, "
+            f"strategy {strategy}: slot {rank} differs from the original all_gather at index {index} "
+            f"(seen by group rank {seen_by}). Please report it; MEMGATHER=0 turns memgather off."
+        )

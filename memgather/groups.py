@@ -12,7 +12,7 @@ group's).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, NamedTuple, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -26,12 +26,26 @@ class GroupInfo(NamedTuple):
 _known: Dict[int, Tuple[Any, GroupInfo]] = {}
 
 
+def known(group: Any) -> Optional[GroupInfo]:
+    """``describe(group)`` if it was described before and still lives, else None.
+
+    Costs one dict lookup and calls nothing in torch.distributed, so it is safe
+    before any check that the group is usable: a group is only described once
+    a call on it has passed them.
+    """
+    pg = group if group is not None else dist.GroupMember.WORLD
+    entry = _known.get(id(pg))
+    if entry is not None and entry[0]() is pg:
+        return entry[1]
+    return None
+
+
 def describe(group: Any) -> GroupInfo:
     """Size, this rank's index and backend of ``group`` (None: the default group)."""
+    info = known(group)
+    if info is not None:
+        return info
     pg = group if group is not None else dist.GroupMember.WORLD
-    known = _known.get(id(pg))
-    if known is not None and known[0]() is pg:
-        return known[1]
     info = GroupInfo(dist.get_world_size(group), dist.get_rank(group), str(dist.get_backend(group)))
     try:
         _known[id(pg)] = (weakref.ref(pg), info)

@@ -42,6 +42,7 @@ class _Active:
     check: bool
     force: bool
     elide: Optional[bool]  # None: audited targets only
+    verify: bool
 
 
 _lock = threading.RLock()
@@ -62,6 +63,7 @@ def patch(
     check: Optional[bool] = None,
     force: Optional[bool] = None,
     elide: Optional[bool] = None,
+    verify: Optional[bool] = None,
 ) -> bool:
     """Rewire ``torch.distributed.all_gather`` for the selected callers.
 
@@ -72,7 +74,9 @@ def patch(
     version is outside the tested range (default ``MEMGATHER_FORCE``).
     ``elide``: let ``torch.cat`` of the gathered list return the gathered
     buffer (default ``MEMGATHER_ELIDE``; unset: only for targets audited to
-    drop the list after concatenating). Idempotent and thread-safe; calling
+    drop the list after concatenating). ``verify``: also run the original
+    all_gather for every rewired call and raise ``VerifyError`` where the
+    results differ, for test runs (default ``MEMGATHER_VERIFY``). Idempotent and thread-safe; calling
     it again replaces the settings. Also exports the settings to the
     environment, so spawned children re-patch. Returns False, doing nothing,
     when ``MEMGATHER=0``.
@@ -89,13 +93,14 @@ def patch(
         settings.check if check is None else check,
         settings.force if force is None else force,
         settings.elide if elide is None else elide,
+        settings.verify if verify is None else verify,
     )
     with _lock:
         _install()
         _rebind_imported(selection)
         _decisions.clear()
         _active = active
-        previous = config.export(True, selection.names, active.check, active.force, active.elide)
+        previous = config.export(True, selection.names, active.check, active.force, active.elide, active.verify)
         if _exported is None:
             _exported = dict(previous)
         _hook_targets(selection)
@@ -143,7 +148,7 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         if known is None or known[0] is not code:
             known = _decide(frame, active)
         if known[1]:
-            return core.all_gather(*args, check=active.check, elide=known[2], **kwargs)
+            return core.all_gather(*args, check=active.check, elide=known[2], verify=active.verify, **kwargs)
     return wrapped(*args, **kwargs)
 
 

@@ -78,6 +78,11 @@ def backend_for_device(name: str, device: torch.device) -> str:
     return ""
 
 
+def gloo_threshold(setting: Optional[int]) -> int:
+    """Bytes per rank from which gloo calls are rewired: the setting, else the default."""
+    return BROADCAST_MIN_BYTES_PER_RANK if setting is None else setting
+
+
 def choose(
     backend: str,
     device: torch.device,
@@ -94,8 +99,7 @@ def choose(
     ``BROADCAST_MIN_BYTES_PER_RANK``) is where gloo calls start to be rewired.
     """
     if backend == "gloo" and device.type == "cpu":
-        threshold = BROADCAST_MIN_BYTES_PER_RANK if gloo_min_bytes is None else gloo_min_bytes
-        if gathered_bytes < world * threshold:
+        if gathered_bytes < world * gloo_threshold(gloo_min_bytes):
             return PASSTHROUGH
         # Async calls take the single call: the agreement round before the
         # broadcasts would block a call that the caller expects to return at once.

@@ -697,3 +697,89 @@ def compiled_gather(ctx: Any, backend: str) -> Dict[str, Any]:
         memgather.unpatch()
     want = [_filled(r, (1 << 19,)) for r in range(ctx.world)]
     return {"correct": all(torch.equal(a, b) for a, b in zip(got, want)), "rewired": snapshot.rewired}
+
+
+def small_calls_twice(ctx: Any, subgroup: Tuple[int, ...]) -> Dict[str, Any]:
+    """Two small gloo calls on a group memgather has not seen yet: the first takes the
+    full path (and describes the group), the second the passthrough shortcut."""
+    group = dist.new_group(list(subgroup))  # every rank calls new_group; a new one each time
+    if ctx.rank not in subgroup:
+        return {"member": False}
+    world = dist.get_world_size(group)
+    memgather.reset_stats()
+    got = []
+    for _ in range(2):
+        slots = [torch.zeros(3) for _ in range(world)]
+        memgather.all_gather(slots, _filled(ctx.rank, (3,)), group=group)
+        got.append([s.tolist() for s in slots])
+    want = [torch.zeros(3) for _ in range(world)]
+    dist.all_gather(want, _filled(ctx.rank, (3,)), group=group)
+    return {"member": True, "same": got == [[s.tolist() for s in want]] * 2,
+            "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+VERIFY_CASES = {
+    # name: (slots builder, async_op, elide) -- each reaches one strategy and route
+    "broadcast_in_slots": (lambda w, r, t: [torch.zeros_like(t) for _ in range(w)], False, False),
+    "broadcast_rebind_elided": (lambda w, r, t: [torch.zeros_like(t) for _ in range(w)], False, True),
+    "broadcast_direct": (lambda w, r, t: list(torch.zeros((w, *t.shape)).unbind(0)), False, False),
+    "single_rebind_async": (lambda w, r, t: [torch.zeros_like(t) for _ in range(w)], True, False),
+    "single_direct_async": (lambda w, r, t: list(torch.zeros((w, *t.shape)).unbind(0)), True, False),
+}
+
+
+def verified_calls(ctx: Any, shape: Tuple[int, ...]) -> Dict[str, Any]:
+    """Every case under verify mode: results, strategy and the verified count."""
+    out = {}
+    for name, (build, async_op, elide) in VERIFY_CASES.items():
+        given = _filled(ctx.rank, shape)
+        slots = build(ctx.world, ctx.rank, given)
+        memgather.reset_stats()
+        work = memgather.all_gather(slots, given, async_op=async_op, elide=elide, verify=True)
+        if work is not None:
+            work.wait()
+        stats = memgather.stats()
+        joined = torch.cat(slots)  # elided where armed: the gathered buffer itself
+        want = torch.cat([_filled(r, shape) for r in range(ctx.world)])
+        out[name] = {"correct": torch.equal(joined, want), "strategy": dict(stats.by_strategy),
+                     "verified": stats.verified}
+    return out
+
+
+def verify_catches(ctx: Any, shape: Tuple[int, ...], async_op: bool, corrupt_rank: int) -> Dict[str, Any]:
+    """A route made to write one wrong element on ``corrupt_rank``: verify mode must
+    raise VerifyError on every rank. Fault injection: the real route runs first."""
+    from memgather import routes
+
+    real_run, real_broadcast = routes.run, routes.broadcast_into
+
+    def corrupt(flat_or_slots: Any) -> None:
+        if ctx.rank == corrupt_rank:
+            target = flat_or_slots[1] if isinstance(flat_or_slots, list) else flat_or_slots.view(ctx.world, -1)[1]
+            target.view(-1)[5] += 1
+
+    def run(route: Any, flat: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = real_run(route, flat, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        corrupt(flat)
+        return work
+
+    def broadcast_into(destinations: List[torch.Tensor], *args: Any) -> None:
+        real_broadcast(destinations, *args)
+        corrupt(destinations)
+
+    routes.run, routes.broadcast_into = run, broadcast_into
+    try:
+        given = _filled(ctx.rank, shape)
+        slots = [torch.zeros_like(given) for _ in range(ctx.world)]
+        try:
+            work = memgather.all_gather(slots, given, async_op=async_op, verify=True)
+        except memgather.VerifyError as error:
+            return {"raised": True, "message": str(error), "rank": error.rank, "index": list(error.index),
+                    "seen_by": error.seen_by, "shape": list(error.shape), "dtype": str(error.dtype)}
+        if work is not None:
+            work.wait()
+        return {"raised": False}
+    finally:
+        routes.run, routes.broadcast_into = real_run, real_broadcast

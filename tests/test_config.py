@@ -25,10 +25,10 @@ def test_bad_value_names_the_variable() -> None:
 def test_every_variable_parses() -> None:
     settings = config.load({
         "MEMGATHER": "1", "MEMGATHER_TARGETS": "accelerate, moco,", "MEMGATHER_CHECK": "yes", "MEMGATHER_FORCE": "1",
-        "MEMGATHER_ELIDE": "0", "MEMGATHER_GLOO_MIN_BYTES": "0", "MEMGATHER_HUGE_PAGES": "off",
+        "MEMGATHER_VERIFY": "on", "MEMGATHER_ELIDE": "0", "MEMGATHER_GLOO_MIN_BYTES": "0", "MEMGATHER_HUGE_PAGES": "off",
         "MEMGATHER_LOG": "debug", "MEMGATHER_REPORT": "all",
     })
-    assert settings == config.Settings(True, ("accelerate", "moco"), True, True, False, 0, False, 10, "all")
+    assert settings == config.Settings(True, ("accelerate", "moco"), True, True, True, False, 0, False, 10, "all")
 
 
 @pytest.mark.parametrize("name,value,message", [

@@ -17,6 +17,7 @@ from tests.ranks import (
     gather_result,
     peak_growth,
     uneven_check,
+    small_calls_twice,
     uneven_inputs,
     warnings_raised,
 )
@@ -32,6 +33,15 @@ def test_check_raises_on_every_rank_naming_each_shape(pools: Any, numel: int) ->
         assert result["shapes"] == [([numel], "torch.float32"), ([numel + 1], "torch.float32"), ([numel], "torch.float32")]
         for rank, size in enumerate([numel, numel + 1, numel]):
             assert f"rank {rank}: ({size},) float32" in result["message"]
+
+
+@pytest.mark.parametrize("subgroup", [(0, 1, 2), (0, 2)])
+def test_small_gloo_calls_pass_through_before_and_after_the_group_is_known(pools: Any, subgroup: Any) -> None:
+    for rank, result in enumerate(unwrap(pools(3).run(small_calls_twice, subgroup))):
+        if rank in subgroup:
+            assert result == {"member": True, "same": True, "fallbacks": {"below_threshold": 2}}
+        else:
+            assert result == {"member": False}
 
 
 def test_check_passes_even_shapes_and_still_rewires(pools: Any) -> None:

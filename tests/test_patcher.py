@@ -21,7 +21,8 @@ ORIGINAL = dist.distributed_c10d.all_gather
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in ("MEMGATHER", "MEMGATHER_TARGETS", "MEMGATHER_CHECK", "MEMGATHER_FORCE", "MEMGATHER_ELIDE", "MEMGATHER_REPORT"):
+    for name in ("MEMGATHER", "MEMGATHER_TARGETS", "MEMGATHER_CHECK", "MEMGATHER_FORCE", "MEMGATHER_ELIDE", "MEMGATHER_VERIFY",
+                 "MEMGATHER_REPORT"):
         monkeypatch.delenv(name, raising=False)
     yield
     memgather.unpatch()
@@ -72,12 +73,13 @@ def test_patch_exports_settings_and_unpatch_restores_them(monkeypatch: pytest.Mo
     import os
 
     monkeypatch.setenv("MEMGATHER_CHECK", "0")
-    memgather.patch(["accelerate", "mypkg"], check=True)
+    memgather.patch(["accelerate", "mypkg"], check=True, verify=True)
     assert os.environ["MEMGATHER"] == "1"
     assert os.environ["MEMGATHER_TARGETS"] == "accelerate,mypkg"
-    assert os.environ["MEMGATHER_CHECK"] == "1"
+    assert os.environ["MEMGATHER_CHECK"] == "1" and os.environ["MEMGATHER_VERIFY"] == "1"
     memgather.unpatch()
     assert "MEMGATHER" not in os.environ and os.environ["MEMGATHER_CHECK"] == "0"
+    assert "MEMGATHER_VERIFY" not in os.environ
 
 
 def test_kill_switch_makes_patch_a_no_op(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
