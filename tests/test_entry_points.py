@@ -142,3 +142,25 @@ def test_bench_runs_and_writes_json(tmp_path: Path) -> None:
 def test_bench_names_bad_options(args: List[str], message: str) -> None:
     done = _run([PYTHON, "-m", "memgather", "bench", *args])
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
+    assert f"    {ci}\n" in readme, "the README's test command and .ci/run have drifted apart"
+    assert ci.endswith(".venv/bin/python -m pytest && .venv/bin/tox -m integration-fast")
+
+
+def test_every_integration_environment_has_its_test_and_label() -> None:
+    import configparser
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    envs = {name.split(":", 1)[1]: tox[name] for name in tox.sections() if name.startswith("testenv:")}
+    integration = {name: env for name, env in envs.items() if "integration" in env.get("labels", "")}
+    assert set(integration) == {"accelerate-0.23", "accelerate", "transformers", "torchmetrics", "deepspeed", "open_clip"}
+    for name, env in integration.items():
+        test_file = env["commands"].split()[-2]
+        assert (ROOT / test_file).is_file(), (name, test_file)
+        assert env["package"] == "wheel"  # memgather.pth installed as a user gets it
+    assert "integration-fast" not in integration["open_clip"]["labels"]  # 5.5 GB of torch: by hand

@@ -1,0 +1,91 @@
+"""Run an integration job under torchrun, unpatched or with memgather on, and read it back."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+JOB = Path(__file__).resolve().parent / "job.py"
+# MEMGATHER_REPORT's line: "[memgather rank 1] memgather: 5 calls, 3 rewired (...) ...; verified 3"
+_REPORT = re.compile(r"\[memgather rank (\d+)\] memgather: (\d+) calls, (\d+) rewired \(([^)]*)\).*?(?:; verified (\d+))?$")
+
+
+@dataclass
+class Report:
+    """One rank's memgather statistics, as MEMGATHER_REPORT wrote them at exit."""
+
+    calls: int
+    rewired: int
+    strategies: Dict[str, int]
+    verified: int
+    line: str
+
+
+@dataclass
+class Run:
+    results: List[Any]  # per rank, what job.py wrote
+    reports: Dict[int, Report]  # per rank; empty when memgather was off
+    output: str
+
+
+def launch(library: str, out_dir: Path, env: Optional[Dict[str, str]] = None, world: int = 2,
+           timeout: int = 600) -> Run:
+    """``torchrun --standalone --nproc_per_node world job.py library`` with ``env`` added."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    full_env.update(env or {})
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+         str(JOB), library, str(out_dir)],
+        capture_output=True, text=True, env=full_env, timeout=timeout,
+    )
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise AssertionError(f"{library} job failed (exit {done.returncode}):\n{output[-6000:]}")
+    results = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return Run(results, _reports(output), output)
+
+
+def _reports(output: str) -> Dict[int, Report]:
+    reports = {}
+    for line in output.splitlines():
+        match = _REPORT.search(line.strip())
+        if match:
+            rank, calls, rewired, strategies, verified = match.groups()
+            counts = dict(part.split("=") for part in strategies.split(", ") if "=" in part)
+            reports[int(rank)] = Report(int(calls), int(rewired), {k: int(v) for k, v in counts.items()},
+                                        int(verified or 0), line.strip())
+    return reports
+
+
+ON = {"MEMGATHER": "1", "MEMGATHER_REPORT": "all"}
+# Every call memgather could rewire, small ones included, each checked against torch.
+VERIFY = {**ON, "MEMGATHER_VERIFY": "1", "MEMGATHER_GLOO_MIN_BYTES": "0"}
+
+
+def compare(library: str, tmp: Path, world: int = 2) -> Dict[str, Run]:
+    """The job unpatched, with MEMGATHER=1, and in verify mode with every call rewired.
+
+    Asserts that all three give identical results on every rank, that memgather
+    reported on every rank of both memgather runs, and that verify mode checked
+    every call it rewired. Returns the runs for library-specific assertions.
+    """
+    runs = {
+        "torch": launch(library, tmp / "torch", world=world),
+        "memgather": launch(library, tmp / "memgather", ON, world),
+        "verify": launch(library, tmp / "verify", VERIFY, world),
+    }
+    assert not runs["torch"].reports, "memgather reported in the unpatched run"
+    for mode in ("memgather", "verify"):
+        assert runs[mode].results == runs["torch"].results, f"{mode} results differ from torch's"
+        assert sorted(runs[mode].reports) == list(range(world)), runs[mode].output[-3000:]
+    for report in runs["verify"].reports.values():
+        assert report.verified == report.rewired > 0, report.line
+    return runs

@@ -1,0 +1,247 @@
+"""One rank of an integration job, started by torchrun: real library code, unedited.
+
+``python -m torch.distributed.run --standalone --nproc_per_node 2 job.py LIBRARY OUT_DIR``
+runs LIBRARY's scenarios and writes ``OUT_DIR/rank<R>.json``: for every case, the
+dtype, shape and SHA-256 of each tensor the library returned, in order. Nothing
+here mentions memgather: the launcher's environment (``MEMGATHER=1`` through
+memgather's ``.pth``) decides whether it is on, exactly as for a user's job.
+``LIBRARY-memory`` instead measures the peak resident-set growth of one gather
+of ``MEMGATHER_JOB_MIB`` MiB per rank through LIBRARY's code (``memory``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+BIG = 3 << 18  # float32 elements: 3 MiB per rank, above gloo's 2 MiB rewiring threshold
+
+
+def data(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Deterministic per-rank data with negative zeros, NaN and infinities in it."""
+    generator = torch.Generator().manual_seed(1000 * seed + RANK)
+    tensor = torch.randn(rows, cols, generator=generator) * 100
+    tensor.view(-1)[:4] = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")])
+    return tensor.to(dtype)
+
+
+def leaves(value: Any) -> List[torch.Tensor]:
+    """Every tensor in a nested structure, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for key in sorted(value) for t in leaves(value[key])]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in leaves(item)]
+    return []
+
+
+def digest(value: Any) -> List[List[Any]]:
+    out = []
+    for tensor in leaves(value):
+        flat = tensor.detach().contiguous().cpu().reshape(-1)
+        raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        out.append([str(tensor.dtype), list(tensor.shape), hashlib.sha256(raw).hexdigest()])
+    return out
+
+
+# --- accelerate: utils.gather on nested structures, and Accelerator.gather_for_metrics ---
+
+def accelerate_cases() -> Dict[str, Any]:
+    from accelerate import Accelerator
+    from accelerate.utils import gather
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == WORLD and dist.get_backend() == "gloo", "not a 2-rank gloo job"
+    big = data(BIG // 64, 64, 1)
+    cases = {
+        "gather_big": gather(big),
+        "gather_nested": gather({
+            "logits": data(BIG // 128, 128, 2),
+            "labels": torch.arange(6) + 10 * RANK,
+            "pair": [big.t(), torch.tensor(float(RANK))],  # non-contiguous, and 0-d
+            "half": (data(BIG // 64, 64, 3, torch.bfloat16),),
+        }),
+    }
+    # 9 samples over 2 ranks in batches of 2: the last batch is padded with repeats,
+    # which gather_for_metrics drops again. Each sample is 1.25 MiB of features.
+    features = torch.arange(9 * 327680, dtype=torch.float32).reshape(9, 327680)
+    loader = accelerator.prepare(DataLoader(TensorDataset(features, torch.arange(9)), batch_size=2))
+    gathered = [accelerator.gather_for_metrics((x * 2 + 1, y)) for x, y in loader]
+    rows = sum(len(labels) for _, labels in gathered)
+    assert rows == 9, f"gather_for_metrics returned {rows} rows of 9"  # the padding was dropped
+    cases["gather_for_metrics"] = gathered
+    return cases
+
+
+def _gather_once(library: str, tensor: torch.Tensor) -> Any:
+    """One gather of ``tensor`` through LIBRARY's own code, as in its scenarios above."""
+    if library == "accelerate":
+        from accelerate.utils import gather
+
+        return gather(tensor)
+    if library == "transformers":
+        from transformers.trainer_pt_utils import distributed_concat
+
+        return distributed_concat(tensor)
+    if library == "torchmetrics":
+        from torchmetrics.utilities.distributed import gather_all_tensors
+
+        return gather_all_tensors(tensor)
+    if library == "deepspeed":
+        import deepspeed.comm as ds_comm
+
+        slots = [torch.empty_like(tensor) for _ in range(WORLD)]
+        ds_comm.all_gather(slots, tensor)
+        return slots
+    if library == "open_clip":
+        from open_clip.loss import gather_features
+
+        return gather_features(tensor, tensor, rank=RANK, world_size=WORLD)[0]
+    raise ValueError(library)
+
+
+def _join(library: str) -> None:
+    if library == "accelerate":
+        from accelerate import Accelerator
+
+        Accelerator(cpu=True)
+    elif library == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+
+
+def memory(library: str) -> Dict[str, Any]:
+    """Peak RSS growth of one gather of MEMGATHER_JOB_MIB MiB per rank (the input is not counted)."""
+    from memgather import rss  # only to read the high-water mark: the gather is the library's own
+
+    _join(library)
+    numel = int(os.environ.get("MEMGATHER_JOB_MIB", "196")) << 18
+    tensor = torch.rand(numel)
+    _gather_once(library, torch.rand(1 << 18))  # first-call costs are not the gather's
+    dist.barrier()
+    rss.reset_peak()
+    before = rss.current_bytes()
+    result = _gather_once(library, tensor)
+    growth = rss.peak_bytes() - before
+    mine = result[RANK] if isinstance(result, (list, tuple)) else result[RANK * numel:(RANK + 1) * numel]
+    return {"growth": growth, "gathered": numel * 4 * WORLD, "correct": bool(torch.equal(mine, tensor))}
+
+
+# --- transformers: trainer_pt_utils.distributed_concat, nested as the Trainer uses it ---
+
+def transformers_cases() -> Dict[str, Any]:
+    from transformers.trainer_pt_utils import distributed_concat
+
+    dist.init_process_group("gloo")
+    logits, labels = data(BIG // 256, 256, 4), torch.arange(BIG // 256) + 7 * RANK
+    return {
+        "tensor": distributed_concat(data(BIG // 64, 64, 5)),
+        "tuple_truncated": distributed_concat((logits, labels), num_total_examples=2 * (BIG // 256) - 5),
+        "dict_nested": distributed_concat({"hidden": [data(BIG // 32, 32, 6), data(3, 5, 7)],
+                                           "loss": torch.tensor(1.5 + RANK)}),
+        "float16": distributed_concat(data(BIG // 64, 64, 8, torch.float16)),
+    }
+
+
+# --- torchmetrics: metrics with tensor states, synced across ranks in compute() ---
+
+def torchmetrics_cases() -> Dict[str, Any]:
+    import torchmetrics
+    from torchmetrics.aggregation import CatMetric, SumMetric
+
+    dist.init_process_group("gloo")
+    out = {}
+    cat = CatMetric()  # a list state; uneven lengths per rank are padded, gathered and trimmed
+    cat.update(data(BIG // 8 - 1000 * RANK, 8, 9).reshape(-1))
+    out["cat_uneven"] = cat.compute()
+    even = CatMetric()
+    even.update(data(BIG // 8, 8, 10).reshape(-1))
+    out["cat_even"] = even.compute()
+    mse = torchmetrics.MeanSquaredError()
+    mse.update(data(BIG // 16, 16, 11).nan_to_num(), data(BIG // 16, 16, 12).nan_to_num())
+    out["mse"] = mse.compute()
+    total = SumMetric()
+    total.update(torch.arange(5.0) * (RANK + 1))
+    out["sum"] = total.compute()
+    return out
+
+
+# --- DeepSpeed: deepspeed.comm.all_gather with the slot layouts ZeRO and others use ---
+
+def deepspeed_cases() -> Dict[str, Any]:
+    import deepspeed
+    import deepspeed.comm as ds_comm
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {}
+    tensor = data(BIG // 64, 64, 13)
+    fresh = [torch.empty_like(tensor) for _ in range(WORLD)]
+    ds_comm.all_gather(fresh, tensor)
+    out["fresh_slots"] = fresh
+    flat = torch.empty(WORLD * tensor.numel())  # ZeRO <= 0.12.3: views of one flat buffer, input in its own
+    views = list(flat.view(WORLD, *tensor.shape).unbind(0))
+    views[RANK].copy_(tensor)
+    ds_comm.all_gather(views, views[RANK])
+    out["views_input_in_slot"] = flat
+    shared = torch.zeros_like(tensor)  # one tensor object repeated: torch leaves the last rank's data in it
+    repeated = [shared] * WORLD
+    ds_comm.all_gather(repeated, tensor)
+    out["repeated_object"] = shared
+    small = [torch.zeros(3) for _ in range(WORLD)]
+    ds_comm.all_gather(small, torch.arange(3.0) + RANK)
+    out["small"] = small
+    return out
+
+
+# --- open_clip: loss.gather_features, with and without local_loss ---
+
+def open_clip_cases() -> Dict[str, Any]:
+    from open_clip.loss import gather_features
+
+    dist.init_process_group("gloo")
+    image, text = data(BIG // 512, 512, 14), data(BIG // 512, 512, 15)
+    out = {}
+    for local_loss in (False, True):
+        for with_grad in (False, True):
+            out[f"local_loss={local_loss},with_grad={with_grad}"] = gather_features(
+                image, text, local_loss=local_loss, gather_with_grad=with_grad, rank=RANK, world_size=WORLD)
+    return out
+
+
+SCENARIOS: Dict[str, Callable[[], Dict[str, Any]]] = {
+    "accelerate": accelerate_cases,
+    "transformers": transformers_cases,
+    "torchmetrics": torchmetrics_cases,
+    "deepspeed": deepspeed_cases,
+    "open_clip": open_clip_cases,
+}
+
+
+def main() -> None:
+    library, out_dir = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    if library.endswith("-memory"):
+        result: Any = memory(library[:-len("-memory")])
+    else:
+        result = {name: digest(value) for name, value in SCENARIOS[library]().items()}
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as out:
+        json.dump(result, out, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

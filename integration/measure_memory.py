@@ -1,0 +1,35 @@
+"""Peak RSS growth of one gather through a library's code, unpatched vs MEMGATHER=1.
+
+The README's figures. Run with an environment that has the library, e.g. a tox one:
+``.tox/accelerate-0.23/bin/python -m integration.measure_memory accelerate 196``
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from integration.harness import ON, launch
+
+
+def main() -> None:
+    library = sys.argv[1]
+    mib = sys.argv[2] if len(sys.argv) > 2 else "196"
+    env = {"MEMGATHER_JOB_MIB": mib}
+    with tempfile.TemporaryDirectory() as tmp:
+        theirs = launch(f"{library}-memory", Path(tmp) / "torch", env).results
+        ours = launch(f"{library}-memory", Path(tmp) / "memgather", {**env, **ON}).results
+    distribution = "open_clip_torch" if library == "open_clip" else library
+    print(f"{library} {metadata.version(distribution)}, torch {metadata.version('torch')}, gloo, 2 ranks, "
+          f"gather of {mib} MiB float32 per rank")
+    for rank, (a, b) in enumerate(zip(theirs, ours)):
+        assert a["correct"] and b["correct"]
+        print(f"rank {rank}: peak RSS growth unpatched {a['growth'] / 2**20:.0f} MiB "
+              f"({a['growth'] / a['gathered']:.3f} x gathered), MEMGATHER=1 {b['growth'] / 2**20:.0f} MiB "
+              f"({b['growth'] / b['gathered']:.3f} x gathered); ratio {b['growth'] / a['growth']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""accelerate, unedited: utils.gather and Accelerator.gather_for_metrics on 2 gloo ranks."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+from integration.harness import ON, compare, launch
+
+
+def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
+    runs = compare("accelerate", tmp_path)
+    for report in runs["memgather"].reports.values():
+        # Elision is on for accelerate (audited): every big gather is rebound, its cat returns the buffer.
+        assert report.rewired >= 5 and report.strategies.get("rebind", 0) == report.rewired, report.line
+
+
+def test_peak_memory_of_a_gather(tmp_path: Path) -> None:
+    """24 MiB per rank here; the README's 196 MiB figure comes from integration/measure_memory.py."""
+    env = {"MEMGATHER_JOB_MIB": "24"}
+    torch_run = launch("accelerate-memory", tmp_path / "torch", env)
+    ours = launch("accelerate-memory", tmp_path / "memgather", {**env, **ON})
+    for theirs, mine in zip(torch_run.results, ours.results):
+        assert theirs["correct"] and mine["correct"]
+        ratio = mine["growth"] / theirs["growth"]
+        print(f"accelerate {metadata.version('accelerate')}: peak growth {theirs['growth'] >> 20} MiB -> "
+              f"{mine['growth'] >> 20} MiB (x{ratio:.3f})")
+        assert ratio <= 0.55
