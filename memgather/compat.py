@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 
 _log = logging.getLogger("memgather")
 
@@ -51,6 +52,23 @@ def single_tensor_primitive() -> Primitive:
     reason = f"torch {version} has none of {', '.join(_PRIMITIVE_NAMES)}"
     _log.warning("memgather is inactive: %s; every gather goes to torch's all_gather", reason)
     return Primitive(None, None, reason, version)
+
+
+# Measured on real wheels from the package index, 2 gloo ranks calling
+# all_gather_into_tensor: torch 2.0.1 and 2.1.2 raise "no support for
+# _allgather_base in Gloo process group"; 2.2.0, 2.3.1, 2.6.0, 2.12.1 and 2.13.0 gather.
+GLOO_SINGLE_TENSOR_SINCE = (2, 2)
+
+
+@lru_cache(maxsize=None)
+def gloo_has_single_tensor() -> bool:
+    """Whether this torch's gloo backend implements the single-tensor all-gather."""
+    return _release(torch.__version__) >= GLOO_SINGLE_TENSOR_SINCE
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    """(major, minor) of a torch version such as '2.13.0+cpu' or '2.2.0a0+git1234'."""
+    return Version(version).release[:2]
 
 
 def _find_is_compiling() -> Callable[[], bool]:

@@ -90,20 +90,25 @@ def choose(
     world: int,
     async_op: bool,
     gloo_min_bytes: Optional[int] = None,
+    gloo_single: bool = True,
 ) -> Optional[Route]:
     """The route for this call, or None where no route is known to be safe.
 
     Every input here is the same on every rank of a working program (slot
     sizes must agree across ranks for torch's own all_gather), so all ranks
     choose alike. ``gloo_min_bytes`` (per rank; default
-    ``BROADCAST_MIN_BYTES_PER_RANK``) is where gloo calls start to be rewired.
+    ``BROADCAST_MIN_BYTES_PER_RANK``) is where gloo calls start to be rewired;
+    ``gloo_single`` says whether this torch's gloo has the single-tensor
+    all-gather (``compat.gloo_has_single_tensor``).
     """
     if backend == "gloo" and device.type == "cpu":
         if gathered_bytes < world * gloo_threshold(gloo_min_bytes):
             return PASSTHROUGH
         # Async calls take the single call: the agreement round before the
         # broadcasts would block a call that the caller expects to return at once.
-        return SINGLE_STAGED if async_op else BROADCAST
+        if async_op:
+            return SINGLE_STAGED if gloo_single else None
+        return BROADCAST
     if backend == "nccl" and device.type == "cuda":
         return SINGLE_IN_PLACE
     if backend == "fake":  # torch's no-op test backend: used to time memgather itself

@@ -298,8 +298,10 @@ def gather_result(ctx: Any, shape: Tuple[int, ...], dtype_name: str, subgroup: O
     ref = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(ref, t, group=group)
     want = torch.stack(ref) if t.dim() == 0 else torch.cat(ref)
+    memgather.reset_stats()
     got = memgather.gather(t, group=group)
-    return {"member": True, "shape": list(got.shape), "want_shape": list(want.shape), "equal": as_bytes(got) == as_bytes(want)}
+    return {"member": True, "shape": list(got.shape), "want_shape": list(want.shape), "equal": as_bytes(got) == as_bytes(want),
+            "routes": dict(memgather.stats().by_route)}
 
 
 def async_work(ctx: Any, numel: int) -> Dict[str, Any]:

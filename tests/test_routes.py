@@ -50,3 +50,19 @@ def test_only_the_broadcast_route_needs_agreement_and_only_nccl_needs_contiguous
 )
 def test_backend_for_device(name: str, device: torch.device, expected: str) -> None:
     assert routes.backend_for_device(name, device) == expected
+
+
+def test_async_gloo_calls_leave_torch_alone_where_gloo_lacks_the_single_tensor_call() -> None:
+    # torch < 2.2: gloo raises on all_gather_into_tensor, which torch's list call never does.
+    assert routes.choose("gloo", CPU, 8 * MIB, 2, True, gloo_single=False) is None
+    assert routes.choose("gloo", CPU, 8 * MIB, 2, False, gloo_single=False) is routes.BROADCAST
+
+
+@pytest.mark.parametrize("version,expected", [
+    ("2.0.1", False), ("2.1.2+cu121", False), ("2.2.0", True), ("2.2.0a0+git8ac9b20", True),
+    ("2.13.0+cpu", True), ("1.13.1", False), ("10.0", True),
+])
+def test_gloo_single_tensor_support_by_torch_release(version: str, expected: bool) -> None:
+    from memgather import compat
+
+    assert (compat._release(version) >= compat.GLOO_SINGLE_TENSOR_SINCE) is expected
