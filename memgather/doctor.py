@@ -27,6 +27,11 @@ def report() -> "tuple[List[str], bool]":
     lines = [f"python {sys.version.split()[0]} at {sys.executable}", f"torch {torch.__version__}"]
     lines.append(f"  distributed available: {'yes' if dist.is_available() else 'no'}")
     lines.append(f"  single-tensor all-gather: {primitive.name or 'none'} ({primitive.reason})")
+    since = ".".join(map(str, compat.GLOO_SINGLE_TENSOR_SINCE))
+    if compat.gloo_has_single_tensor():
+        lines.append(f"  on gloo: yes (torch >= {since}); sync calls use per-rank broadcasts from 2 MiB per rank")
+    else:
+        lines.append(f"  on gloo: no (before torch {since}); sync calls use per-rank broadcasts, async ones stay with torch")
     lines.append(f"  storage use count (rebind strategy): {'yes' if compat.can_prove_exclusive() else 'no'}")
     lines.append("backends: " + ", ".join(f"{name} {'yes' if _available(dist, name) else 'no'}"
                                           for name in ("gloo", "nccl", "mpi", "ucc")))
