@@ -119,7 +119,15 @@ def _find_increment_version() -> Callable[[torch.Tensor], None]:
     graph = getattr(torch.autograd, "graph", None)
     if graph is not None and hasattr(graph, "increment_version"):
         return graph.increment_version
-    return torch._C._autograd._increment_version  # type: ignore[attr-defined]
+    autograd = torch._C._autograd
+    if hasattr(autograd, "_increment_version"):
+        return autograd._increment_version  # type: ignore[no-any-return]
+    set_counter = autograd._unsafe_set_version_counter  # torch 2.0 and 2.1 have only this
+
+    def increment(tensor: torch.Tensor) -> None:
+        set_counter(tensor, tensor._version + 1)  # type: ignore[arg-type]  # (tensor, int) on those releases
+
+    return increment
 
 
 # The original all_gather bumps each output slot's version counter (autograd
