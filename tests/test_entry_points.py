@@ -24,11 +24,11 @@ def _run(args: List[str], env: Dict[str, str] = None, cwd: Path = ROOT, timeout:
 
 
 def test_cli_run_sets_the_environment_and_execs() -> None:
-    done = _run([PYTHON, "-m", "memgather", "run", "--targets", "accelerate", "moco", "--check", "--elide", "off", "--",
+    done = _run([PYTHON, "-m", "memgather", "run", "--targets", "accelerate", "moco", "--check", "--verify", "--elide", "off", "--",
                  PYTHON, "-c", "import os, json; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('MEMGATHER')}))"])
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"MEMGATHER": "1", "MEMGATHER_TARGETS": "accelerate,moco", "MEMGATHER_CHECK": "1",
-                                       "MEMGATHER_ELIDE": "0"}
+                                       "MEMGATHER_VERIFY": "1", "MEMGATHER_ELIDE": "0"}
 
 
 def test_cli_run_errors_name_the_problem() -> None:
