@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.overrides import has_torch_function
 
 from memgather import agreement, compat, config, counters, elision, groups, pages, routes, slots, verification
-from memgather.strategies import DIRECT, IN_SLOTS, REBIND, Plan, Reason, fallback, plan
+from memgather.strategies import DIRECT, IN_SLOTS, REBIND, Plan, Reason, fallback, fill_in_slots, plan
 
 _log = logging.getLogger("memgather")
 
@@ -170,7 +170,10 @@ def _plan(
         return fallback(Reason.BELOW_THRESHOLD)
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         return fallback(Reason.INPUT_NOT_CONTIGUOUS)
-    return plan(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here
+    chosen = plan(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here
+    if route is routes.BROADCAST and not chosen.rewires:
+        chosen = fill_in_slots(tensor_list, tensor, info.rank, chosen)
+    return chosen
 
 
 def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:

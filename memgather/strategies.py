@@ -199,3 +199,39 @@ def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
         if slot.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
             return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
     return REBIND
+
+
+# Rebinding needs proof that nothing else holds a slot's memory. Filling the slots
+# where they lie does not: torch's own all_gather writes there too, so a view someone
+# kept sees what it would see under torch. It needs only contiguous slots that do not
+# overlap one another, and an input that overlaps none of them, unless it is exactly
+# its own slot.
+_FILLABLE = (Reason.CANNOT_PROVE_EXCLUSIVE, Reason.SLOTS_SHARED)
+
+
+def fill_in_slots(tensor_list: list, tensor: torch.Tensor, rank: int, refused: Plan) -> Plan:
+    """IN_SLOTS for a route that writes into the slots where they lie, where a rebind was refused."""
+    if refused.reason not in _FILLABLE or elision.any_given(tensor_list):
+        return refused
+    if not all(slot.is_contiguous() for slot in tensor_list):
+        return fallback(Reason.SLOT_NOT_CONTIGUOUS)
+    spans = sorted(_span(slot) for slot in tensor_list)
+    if any(end > next_start for (_, end), (next_start, _) in zip(spans, spans[1:])):
+        return refused  # two slots share memory: torch's sequential copies decide, not broadcasts
+    own = tensor_list[rank]
+    if tensor.data_ptr() == own.data_ptr() and tensor.is_contiguous():
+        return IN_SLOTS
+    start, end = _span(tensor)
+    if any(start < slot_end and slot_start < end for slot_start, slot_end in spans):
+        return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
+    return IN_SLOTS
+
+
+def _span(tensor: torch.Tensor) -> tuple:
+    """[first, last + 1) byte address a strided tensor may touch (negative strides included)."""
+    low = high = 0
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        reach = (size - 1) * stride
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    item = tensor.element_size()
+    return tensor.data_ptr() + low * item, tensor.data_ptr() + (high + 1) * item

@@ -184,7 +184,23 @@ BAD_INPUTS: Dict[str, Any] = {
     "slot_view_held": lambda r, w: _slot_with_view(r, w),
     "slot_storage_held": lambda r, w: _slot_with_storage(r, w),
     "permuted_slots": lambda r, w: ([torch.empty(3, 2).t() for _ in range(w)], _filled(r, (2, 3)), None),
+    "overlapping_slots": lambda r, w: (_overlapping_slots(w), _filled(r), None),
+    "input_views_other_slot": lambda r, w: _input_views_other_slot(r, w),
 }
+
+
+def _overlapping_slots(world: int) -> List[torch.Tensor]:
+    """Slots sharing elements (torch's sequential copies decide what stays), not adjacent."""
+    base = torch.zeros(world + 2)
+    return [base[i:i + 3] for i in range(world)]
+
+
+def _input_views_other_slot(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    """The input is a view of the next rank's slot (not the slot object itself)."""
+    slots = [torch.zeros(3) for _ in range(world)]
+    other = slots[(rank + 1) % world]
+    other.copy_(_filled(rank))
+    return slots, other.view(3), None
 
 
 def _inference_slots(world: int) -> List[torch.Tensor]:
@@ -231,15 +247,22 @@ def compare_bad_input(ctx: Any, name: str) -> Dict[str, Any]:
     want = _outcome(dist.all_gather, build, ctx.rank, ctx.world)
     memgather.reset_stats()
     got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world)
-    return {"want": want, "got": got, "fallbacks": dict(memgather.stats().fallbacks)}
+    snapshot = memgather.stats()
+    return {"want": want, "got": got, "fallbacks": dict(snapshot.fallbacks), "strategy": dict(snapshot.by_strategy)}
 
 
-def compare_peer_dependent(ctx: Any, numel: int, shared_on: int, async_op: bool = False) -> Dict[str, Any]:
-    """Only rank ``shared_on`` holds a view of a slot: it must fall back, alone or with all."""
+def compare_peer_dependent(ctx: Any, numel: int, odd_on: int, async_op: bool = False, odd: str = "view") -> Dict[str, Any]:
+    """Only rank ``odd_on`` has an odd slot: it must fall back, alone or with all.
+
+    ``odd``: "view" (a view of a slot is kept: no rebind) or "strided" (a slot is
+    not contiguous: neither rebound nor filled in place by broadcasts).
+    """
 
     def build(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
         slots = [torch.zeros(numel) for _ in range(world)]
-        return slots, _filled(rank, (numel,)), slots[0][:1] if rank == shared_on else None
+        if rank == odd_on and odd == "strided":
+            slots[0] = torch.zeros(2 * numel)[::2]
+        return slots, _filled(rank, (numel,)), slots[0][:1] if rank == odd_on and odd == "view" else None
 
     want = _outcome(_waited(dist.all_gather, async_op), build, ctx.rank, ctx.world)
     memgather.reset_stats()
