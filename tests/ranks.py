@@ -411,7 +411,8 @@ def warnings_raised(ctx: Any) -> List[str]:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for numel, async_op in ((3, False), (3, True), (1 << 20, False)):
+        # Small calls (passthrough by default), the broadcast route, the single route (async).
+        for numel, async_op in ((3, False), (3, True), (1 << 20, False), (1 << 20, True)):
             slots = [torch.empty(numel) for _ in range(ctx.world)]
             work = memgather.all_gather(slots, torch.ones(numel), async_op=async_op, check=not async_op)
             if work is not None:

@@ -137,9 +137,11 @@ def test_primitive_is_reported_with_its_reason() -> None:
     assert chosen.torch_version == torch.__version__ and "all_gather_single" in chosen.reason
 
 
-def test_no_warning_from_memgathers_own_calls(pools: Any) -> None:
-    """all_gather_into_tensor and _all_gather_base warn on torch 2.13: memgather must not call them."""
-    for caught in unwrap(pools(2).run(warnings_raised)):
+@pytest.mark.parametrize("env", [{}, EAGER], ids=["default-threshold", "every-gloo-call-rewired"])
+def test_no_warning_from_memgathers_own_calls(pools: Any, env: Any) -> None:
+    """all_gather_into_tensor and _all_gather_base warn on torch 2.13: memgather must not call them.
+    Every warning is recorded (FutureWarning and DeprecationWarning included), on every route."""
+    for caught in unwrap(pools(2, **env).run(warnings_raised)):
         assert caught == []
 
 
