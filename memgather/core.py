@@ -109,9 +109,7 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
 def _small_gloo_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> bool:
     """A small gather() on a gloo group whose torch has the single-tensor call (the group is usable:
     gather() checked)."""
-    info = groups.describe(group)
-    return (info.backend == "gloo" and type(tensor) is torch.Tensor and tensor.is_cpu
-            and out.numel() * out.element_size() < info.world * _gloo_min_bytes
+    return (_below_gloo_threshold(groups.describe(group), tensor, out.numel() * out.element_size())
             and compat.gloo_has_single_tensor() and compat.single_tensor_primitive().function is not None
             and not compat.is_compiling())
 
@@ -127,10 +125,16 @@ def _small_on_gloo(tensor_list: Any, tensor: Any, group: Any) -> bool:
     path would have decided, such a call ends with the original all_gather.
     """
     info = groups.known(group)
-    if info is None or info.backend != "gloo" or type(tensor) is not torch.Tensor or not tensor.is_cpu:
+    if info is None:
         return False
     gathered = _gathered_bytes(tensor_list, info.world)
-    return gathered is not None and gathered < info.world * _gloo_min_bytes
+    return gathered is not None and _below_gloo_threshold(info, tensor, gathered)
+
+
+def _below_gloo_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
+    """A plain CPU tensor on a gloo group, gathering less than the threshold (see routes.PASSTHROUGH)."""
+    return (info.backend == "gloo" and type(tensor) is torch.Tensor and tensor.is_cpu
+            and gathered < info.world * _gloo_min_bytes)
 
 
 def _precondition(tensor: Any, group: Any) -> Optional[Reason]:

@@ -33,7 +33,7 @@ def known(group: Any) -> Optional[GroupInfo]:
     before any check that the group is usable: a group is only described once
     a call on it has passed them.
     """
-    pg = group if group is not None else dist.GroupMember.WORLD
+    pg = _process_group(group)
     entry = _known.get(id(pg))
     if entry is not None and entry[0]() is pg:
         return entry[1]
@@ -45,10 +45,14 @@ def describe(group: Any) -> GroupInfo:
     info = known(group)
     if info is not None:
         return info
-    pg = group if group is not None else dist.GroupMember.WORLD
+    pg = _process_group(group)
     info = GroupInfo(dist.get_world_size(group), dist.get_rank(group), str(dist.get_backend(group)))
     try:
         _known[id(pg)] = (weakref.ref(pg), info)
     except TypeError:  # a group object that takes no weak reference: look it up every time
         pass
     return info
+
+
+def _process_group(group: Any) -> Any:
+    return group if group is not None else dist.GroupMember.WORLD

@@ -228,10 +228,6 @@ def fill_in_slots(tensor_list: list, tensor: torch.Tensor, rank: int, refused: P
 
 
 def _span(tensor: torch.Tensor) -> tuple:
-    """[first, last + 1) byte address a strided tensor may touch (negative strides included)."""
-    low = high = 0
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        reach = (size - 1) * stride
-        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
-    item = tensor.element_size()
-    return tensor.data_ptr() + low * item, tensor.data_ptr() + (high + 1) * item
+    """[first, last + 1) byte address a strided, non-empty tensor may touch (torch strides are >= 0)."""
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
