@@ -199,14 +199,7 @@ def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode:
     tensor = (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype)).to(device)
     peaks, digest = _peaks(gather, tensor, repeat)
     inner = _calls_per_sample(gather, tensor)
-    seconds = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(inner):
-            gather(tensor)
-        _synchronize(device)
-        seconds.append((time.perf_counter() - start) / inner)
+    seconds = [_timed(gather, tensor, inner) / inner for _ in range(repeat)]
     dist.barrier()
     dist.destroy_process_group()
     return RankResult(peaks, seconds, digest)
@@ -279,13 +272,22 @@ def _slowest(gather: Any, tensor: Any, calls: int) -> float:
     import torch
     import torch.distributed as dist
 
+    elapsed = torch.tensor([_timed(gather, tensor, calls)], dtype=torch.float64, device=tensor.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _timed(gather: Any, tensor: Any, calls: int) -> float:
+    """Seconds this rank takes for ``calls`` gathers, started together after a barrier
+    (on CUDA until the device has finished them)."""
+    import torch.distributed as dist
+
     dist.barrier()
     start = time.perf_counter()
     for _ in range(calls):
         gather(tensor)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=tensor.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    _synchronize(tensor.device)
+    return time.perf_counter() - start
 
 
 class _Meter:
