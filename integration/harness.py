@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 JOB = Path(__file__).resolve().parent / "job.py"
 # MEMGATHER_REPORT's line: "[memgather rank 1] memgather: 5 calls, 3 rewired (...) ...; verified 3"
@@ -89,3 +89,14 @@ def compare(library: str, tmp: Path, world: int = 2) -> Dict[str, Run]:
     for report in runs["verify"].reports.values():
         assert report.verified == report.rewired > 0, report.line
     return runs
+
+
+def memory_growth(library: str, tmp: Path, mib: int) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """Per rank, (unpatched, MEMGATHER=1) peak RSS growth of one gather of ``mib`` MiB per rank
+    through LIBRARY's code (job.py ``memory``); both must have gathered correctly."""
+    env = {"MEMGATHER_JOB_MIB": str(mib)}
+    theirs = launch(f"{library}-memory", tmp / "torch", env).results
+    ours = launch(f"{library}-memory", tmp / "memgather", {**env, **ON}).results
+    for a, b in zip(theirs, ours):
+        assert a["correct"] and b["correct"], (a, b)
+    return list(zip(theirs, ours))

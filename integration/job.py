@@ -56,11 +56,10 @@ def digest(value: Any) -> List[List[Any]]:
 # --- accelerate: utils.gather on nested structures, and Accelerator.gather_for_metrics ---
 
 def accelerate_cases() -> Dict[str, Any]:
-    from accelerate import Accelerator
     from accelerate.utils import gather
     from torch.utils.data import DataLoader, TensorDataset
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = _join("accelerate")
     assert accelerator.num_processes == WORLD and dist.get_backend() == "gloo", "not a 2-rank gloo job"
     big = data(BIG // 64, 64, 1)
     cases = {
@@ -110,17 +109,19 @@ def _gather_once(library: str, tensor: torch.Tensor) -> Any:
     raise ValueError(library)
 
 
-def _join(library: str) -> None:
+def _join(library: str) -> Any:
+    """Join the job's process group as LIBRARY's users do; accelerate's Accelerator is returned."""
     if library == "accelerate":
         from accelerate import Accelerator
 
-        Accelerator(cpu=True)
-    elif library == "deepspeed":
+        return Accelerator(cpu=True)
+    if library == "deepspeed":
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         dist.init_process_group("gloo")
+    return None
 
 
 def memory(library: str) -> Dict[str, Any]:
@@ -145,7 +146,7 @@ def memory(library: str) -> Dict[str, Any]:
 def transformers_cases() -> Dict[str, Any]:
     from transformers.trainer_pt_utils import distributed_concat
 
-    dist.init_process_group("gloo")
+    _join("transformers")
     logits, labels = data(BIG // 256, 256, 4), torch.arange(BIG // 256) + 7 * RANK
     return {
         "tensor": distributed_concat(data(BIG // 64, 64, 5)),
@@ -162,7 +163,7 @@ def torchmetrics_cases() -> Dict[str, Any]:
     import torchmetrics
     from torchmetrics.aggregation import CatMetric, SumMetric
 
-    dist.init_process_group("gloo")
+    _join("torchmetrics")
     out = {}
     cat = CatMetric()  # a list state; uneven lengths per rank are padded, gathered and trimmed
     cat.update(data(BIG // 8 - 1000 * RANK, 8, 9).reshape(-1))
@@ -182,10 +183,9 @@ def torchmetrics_cases() -> Dict[str, Any]:
 # --- DeepSpeed: deepspeed.comm.all_gather with the slot layouts ZeRO and others use ---
 
 def deepspeed_cases() -> Dict[str, Any]:
-    import deepspeed
     import deepspeed.comm as ds_comm
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    _join("deepspeed")
     out = {}
     tensor = data(BIG // 64, 64, 13)
     fresh = [torch.empty_like(tensor) for _ in range(WORLD)]
@@ -211,7 +211,7 @@ def deepspeed_cases() -> Dict[str, Any]:
 def open_clip_cases() -> Dict[str, Any]:
     from open_clip.loss import gather_features
 
-    dist.init_process_group("gloo")
+    _join("open_clip")
     image, text = data(BIG // 512, 512, 14), data(BIG // 512, 512, 15)
     out = {}
     for local_loss in (False, True):

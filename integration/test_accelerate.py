@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
-from integration.harness import ON, compare, launch
+from integration.harness import compare, memory_growth
 
 
 def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
@@ -17,11 +17,7 @@ def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
 
 def test_peak_memory_of_a_gather(tmp_path: Path) -> None:
     """24 MiB per rank here; the README's 196 MiB figure comes from integration/measure_memory.py."""
-    env = {"MEMGATHER_JOB_MIB": "24"}
-    torch_run = launch("accelerate-memory", tmp_path / "torch", env)
-    ours = launch("accelerate-memory", tmp_path / "memgather", {**env, **ON})
-    for theirs, mine in zip(torch_run.results, ours.results):
-        assert theirs["correct"] and mine["correct"]
+    for theirs, mine in memory_growth("accelerate", tmp_path, 24):
         ratio = mine["growth"] / theirs["growth"]
         print(f"accelerate {metadata.version('accelerate')}: peak growth {theirs['growth'] >> 20} MiB -> "
               f"{mine['growth'] >> 20} MiB (x{ratio:.3f})")
