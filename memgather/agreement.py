@@ -9,7 +9,7 @@ reported on every rank instead of hanging or returning garbage.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,16 +43,20 @@ def agree(
     ``UnevenShapesError`` when ``check`` is set, some rank's slots are even
     and the ranks' inputs differ.
     """
-    row = _encode(tensor, rewires, even)
-    table = [torch.empty_like(row) for _ in range(world)]
-    gather_rows(table, row, group=group)
-    rows = [r.tolist() for r in table]
+    rows = exchange(gather_rows, group, _encode(tensor, rewires, even), world)
     uniform = all(_identity(r) == _identity(rows[0]) for r in rows)
     if not uniform:
         if check and any(r[1] for r in rows):
             raise UnevenShapesError([_decode(r) for r in rows])
         return Reason.UNEVEN_RANKS
     return None if all(r[0] for r in rows) else Reason.PEER_FALLBACK
+
+
+def exchange(gather_rows: Callable[..., Any], group: Any, row: torch.Tensor, world: int) -> List[List[int]]:
+    """Every rank's int64 ``row``, in group rank order, through the original list all_gather."""
+    table = [torch.empty_like(row) for _ in range(world)]
+    gather_rows(table, row, group=group)
+    return [r.tolist() for r in table]
 
 
 def _encode(tensor: torch.Tensor, rewires: bool, even: bool) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from memgather import callers
+from memgather import agreement, callers
 from memgather.errors import VerifyError
 
 _NONE = -1
@@ -33,9 +33,7 @@ def verify(
     original(scratch, tensor, group=group)
     mine = first_difference(gathered, scratch)
     row = torch.tensor([_NONE, _NONE] if mine is None else list(mine), dtype=torch.int64, device=tensor.device)
-    rows = [torch.empty_like(row) for _ in gathered]
-    original(rows, row, group=group)
-    for seen_by, (rank, index) in enumerate(r.tolist() for r in rows):
+    for seen_by, (rank, index) in enumerate(agreement.exchange(original, group, row, len(gathered))):
         if rank != _NONE:
             raise VerifyError(_site(), tuple(tensor.shape), tensor.dtype, strategy, seen_by, rank,
                               _unravel(index, tuple(tensor.shape)))
