@@ -12,6 +12,7 @@ reset through ``/proc/self/clear_refs`` right before the call.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import multiprocessing as mp
@@ -326,11 +327,14 @@ class _Meter:
 
 
 def _digest(result: Any) -> str:
-    import torch
-
+    """SHA-256 of the result's bytes, read in place: the main job installs torch alone,
+    and torch's ``.numpy()`` needs NumPy."""
     sha = hashlib.sha256()
     for part in result if isinstance(result, (list, tuple)) else [result]:
-        sha.update(part.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        flat = part.detach().contiguous().cpu()
+        size = flat.numel() * flat.element_size()
+        if size:
+            sha.update((ctypes.c_char * size).from_address(flat.data_ptr()))
     return sha.hexdigest()
 
 

@@ -164,3 +164,16 @@ def test_every_integration_environment_has_its_test_and_label() -> None:
         assert (ROOT / test_file).is_file(), (name, test_file)
         assert env["package"] == "wheel"  # memgather.pth installed as a user gets it
     assert "integration-fast" not in integration["open_clip"]["labels"]  # 5.5 GB of torch: by hand
+
+
+def test_bench_digest_needs_no_numpy() -> None:
+    """The main job's venv has torch alone; torch's .numpy() would fail there."""
+    script = ("import sys; sys.modules['numpy'] = None\n"
+              "import hashlib, torch\n"
+              "from memgather import bench\n"
+              "parts = [torch.arange(6.0).reshape(2, 3).t(), torch.tensor(7, dtype=torch.int16), torch.empty(0)]\n"
+              "want = hashlib.sha256(b''.join(bytes(p.contiguous().reshape(-1).view(torch.uint8).tolist()) for p in parts))\n"
+              "assert bench._digest(parts) == want.hexdigest()\n"
+              "assert bench._digest(parts[0]) == hashlib.sha256(bytes(parts[0].contiguous().reshape(-1).view(torch.uint8).tolist())).hexdigest()\n")
+    done = _run([PYTHON, "-c", script])
+    assert done.returncode == 0, done.stderr[-3000:]
