@@ -1,8 +1,10 @@
-"""What the installed torch can do, found by feature, never by version number.
+"""What the installed torch can do.
 
 Everything memgather needs from torch beyond the public collectives is looked up
 here once, so the rest of the package can ask a plain question ("is there a
-single-tensor all-gather?") and get an answer with its reason attached.
+single-tensor all-gather?") and get an answer with its reason attached. Each is
+found by feature, except what gloo implements behind an existing function: that
+is a fact measured on the released wheels, recorded here as data.
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ is_compiling: Callable[[], bool] = _find_is_compiling()
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _find_storage_ptr() -> Callable[[torch.Tensor], int]:
+    if hasattr(torch.Tensor, "untyped_storage"):
+        return lambda tensor: tensor.untyped_storage().data_ptr()
+    return lambda tensor: tensor.storage().data_ptr()  # torch 1.13: the typed storage is the only one
+
+
+# Where the memory of a tensor's storage starts: equal for tensors sharing one storage.
+storage_ptr: Callable[[torch.Tensor], int] = _find_storage_ptr()
+
+
 def can_prove_exclusive() -> bool:
     """Whether this torch lets memgather prove a tensor alone holds its storage."""
     return _use_count is not None
@@ -122,12 +134,14 @@ def _find_increment_version() -> Callable[[torch.Tensor], None]:
     autograd = torch._C._autograd
     if hasattr(autograd, "_increment_version"):
         return autograd._increment_version  # type: ignore[no-any-return]
-    set_counter = autograd._unsafe_set_version_counter  # torch 2.0 and 2.1 have only this
+    return _increment_through_empty_view  # torch 1.13 to 2.1
 
-    def increment(tensor: torch.Tensor) -> None:
-        set_counter(tensor, tensor._version + 1)  # type: ignore[arg-type]  # (tensor, int) on those releases
 
-    return increment
+def _increment_through_empty_view(tensor: torch.Tensor) -> None:
+    # A view shares its base's version counter, and every in-place op bumps it:
+    # an in-place op on an empty view bumps it without touching a byte.
+    with torch.no_grad():
+        tensor.as_strided((0,), (1,)).zero_()
 
 
 # The original all_gather bumps each output slot's version counter (autograd
@@ -143,7 +157,8 @@ def rank_not_in_group(group: Any) -> bool:
 
 def is_coalescing(group: Any) -> bool:
     """True inside ``torch.distributed._coalescing_manager`` for ``group``."""
-    world = dist.distributed_c10d._world
+    # torch 1.13 keeps no such state in Python (its manager only brackets NCCL calls).
+    world = getattr(dist.distributed_c10d, "_world", None)
     state = getattr(world, "pg_coalesce_state", None)
     if not state:
         return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from functools import lru_cache
 from typing import Any, Optional
 
 from memgather import config
@@ -22,6 +23,7 @@ _PAGE = 4096
 _MIN_BYTES = 4 << 20  # below this a huge page or two changes nothing measurable
 
 
+@lru_cache(maxsize=None)  # on first use, not at import: importing must not read (and reject) the environment
 def _load_madvise() -> Optional[Any]:
     if not sys.platform.startswith("linux") or not config.load().huge_pages:
         return None
@@ -34,12 +36,10 @@ def _load_madvise() -> Optional[Any]:
     return madvise
 
 
-_madvise = _load_madvise()
-
-
 def advise(tensor: Any) -> None:
     """Ask for huge pages under a large, contiguous CPU tensor about to be written."""
-    if _madvise is None:
+    madvise = _load_madvise()
+    if madvise is None:
         return
     size = tensor.numel() * tensor.element_size()
     if size < _MIN_BYTES or tensor.device.type != "cpu":
@@ -48,4 +48,4 @@ def advise(tensor: Any) -> None:
     first = (start + _PAGE - 1) & ~(_PAGE - 1)
     last = (start + size) & ~(_PAGE - 1)
     if last > first:
-        _madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+        madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing

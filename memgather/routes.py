@@ -139,6 +139,8 @@ def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group
     if own.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         own.copy_(tensor)
     ranks = _global_ranks(group, len(destinations))
+    if own.is_complex():  # as torch's all_gather sends them: gloo on torch 2.0.1 refuses complex dtypes
+        destinations = [torch.view_as_real(d) for d in destinations]
     works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(destinations)]
     _wait_all(works)
 

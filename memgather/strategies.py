@@ -163,8 +163,8 @@ def _adjacent(slots: list) -> bool:
     # Addresses first: they rule out fresh slots at once, without a storage object.
     if any(slot.data_ptr() != start + index * step for index, slot in enumerate(slots)):
         return False
-    storage_ptr = first.untyped_storage().data_ptr()
-    return all(slot.is_contiguous() and slot.untyped_storage().data_ptr() == storage_ptr for slot in slots)
+    storage_ptr = compat.storage_ptr(first)
+    return all(slot.is_contiguous() and compat.storage_ptr(slot) == storage_ptr for slot in slots)
 
 
 def _input_overlaps_region(tensor: torch.Tensor, slots: list, rank: int) -> bool:
@@ -173,7 +173,7 @@ def _input_overlaps_region(tensor: torch.Tensor, slots: list, rank: int) -> bool
     Exactly its own slot is safe (every route reads the input before anything
     is written there); anything else could be overwritten before it is sent.
     """
-    if tensor.untyped_storage().data_ptr() != slots[0].untyped_storage().data_ptr():
+    if compat.storage_ptr(tensor) != compat.storage_ptr(slots[0]):
         return False
     own = slots[rank]
     return not (tensor.data_ptr() == own.data_ptr() and tensor.is_contiguous())
@@ -196,7 +196,7 @@ def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
         # input is (a view of) that result.
         if not elision.is_given(slot):
             return fallback(Reason.SLOTS_SHARED)
-        if slot.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        if compat.storage_ptr(slot) == compat.storage_ptr(tensor):
             return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
     return REBIND
 

@@ -28,7 +28,7 @@ def _huge_kib_of(buffer: torch.Tensor) -> int:
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages on this kernel")
-@pytest.mark.skipif(pages._madvise is None, reason="huge-page advice turned off (MEMGATHER_HUGE_PAGES=0) or not Linux")
+@pytest.mark.skipif(pages._load_madvise() is None, reason="huge-page advice turned off (MEMGATHER_HUGE_PAGES=0) or not Linux")
 def test_advised_buffer_gets_huge_pages() -> None:
     advised = torch.empty(16 << 20)  # 64 MiB
     pages.advise(advised)
