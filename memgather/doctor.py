@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import site
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 _PTH = "memgather.pth"
 
@@ -27,14 +27,10 @@ def report() -> "tuple[List[str], bool]":
     lines = [f"python {sys.version.split()[0]} at {sys.executable}", f"torch {torch.__version__}"]
     lines.append(f"  distributed available: {'yes' if dist.is_available() else 'no'}")
     lines.append(f"  single-tensor all-gather: {primitive.name or 'none'} ({primitive.reason})")
-    since = ".".join(map(str, compat.GLOO_SINGLE_TENSOR_SINCE))
-    if compat.gloo_has_single_tensor():
-        lines.append(f"  on gloo: yes (torch >= {since}); sync calls use per-rank broadcasts from 2 MiB per rank")
-    else:
-        lines.append(f"  on gloo: no (before torch {since}); sync calls use per-rank broadcasts, async ones stay with torch")
     lines.append(f"  storage use count (rebind strategy): {'yes' if compat.can_prove_exclusive() else 'no'}")
-    lines.append("backends: " + ", ".join(f"{name} {'yes' if _available(dist, name) else 'no'}"
-                                          for name in ("gloo", "nccl", "mpi", "ucc")))
+    lines.append("backends:")
+    lines.extend(f"  {name:<5} {'available' if _available(dist, name) else 'not available'}: {plan}"
+                 for name, plan in backend_plans(primitive.name).items())
     lines.append("targets:")
     for target in targets.BUILTIN:
         verdict = targets.gate(target)
@@ -51,6 +47,27 @@ def report() -> "tuple[List[str], bool]":
     usable = dist.is_available() and primitive.function is not None and settings is not None
     lines.append(f"verdict: {'usable' if usable else 'NOT usable'}")
     return lines, usable
+
+
+def backend_plans(primitive: Optional[str]) -> Dict[str, str]:
+    """What memgather does with a call on each backend, on this torch (see routes.choose)."""
+    from memgather import compat, routes
+
+    if primitive is None:
+        return {name: "every call stays with torch (no single-tensor all-gather)" for name in ("gloo", "nccl", "mpi", "ucc")}
+    fresh = "rebound to one buffer" if compat.can_prove_exclusive() else "left to torch (no storage use count to prove a rebind safe)"
+    since = ".".join(map(str, compat.GLOO_SINGLE_TENSOR_SINCE))
+    threshold = routes.BROADCAST_MIN_BYTES_PER_RANK >> 20
+    if compat.gloo_has_single_tensor():
+        gloo_async = f"async ones through {primitive} (gloo has it from torch {since})"
+    else:
+        gloo_async = f"async ones stay with torch (gloo has no single-tensor all-gather before torch {since})"
+    return {
+        "gloo": f"sync calls from {threshold} MiB per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into the slots; {gloo_async}",
+        "nccl": f"{primitive} into one buffer: views of it written in place, fresh slots {fresh}",
+        "mpi": "every call stays with torch",
+        "ucc": "every call stays with torch",
+    }
 
 
 def find_pth() -> Optional[str]:

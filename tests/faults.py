@@ -10,6 +10,8 @@ import os
 import signal
 import time
 from datetime import timedelta
+import multiprocessing as mp
+import queue as queues
 from typing import Any, Dict
 
 
@@ -60,7 +62,7 @@ def _close(queue: Any) -> None:
 
 
 def uneven_main(rank: int, port: int, mode: str, kind: str, queue: Any) -> None:
-    """Ranks disagree on shape or dtype, check off: torch's outcome or memgather's, as data."""
+    """Ranks disagree on shape or dtype, check off (or pass empty tensors): torch's outcome or memgather's, as data."""
     import hashlib
 
     import torch
@@ -78,6 +80,8 @@ def uneven_main(rank: int, port: int, mode: str, kind: str, queue: Any) -> None:
         shape = (1 << 19, 3)
     elif rank == 1 and kind == "dtype":
         dtype = torch.int32  # same bytes, other dtype: torch passes the bytes through
+    elif kind == "empty":  # every rank: even, but gloo before 2.1 divides by zero on it
+        shape = (0, 2)
     slots = [torch.zeros(shape, dtype=dtype) for _ in range(2)]
     gather = memgather.all_gather if mode == "memgather" else dist.all_gather
     try:
@@ -89,3 +93,30 @@ def uneven_main(rank: int, port: int, mode: str, kind: str, queue: Any) -> None:
     queue.put((rank, outcome))
     _close(queue)
     os._exit(0)
+
+
+def pair_outcomes(mode: str, kind: str) -> Dict[int, Any]:
+    """Each rank's outcome of uneven_main in a fresh pair of processes: its report, or how its process ended."""
+    from tests.pool import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=uneven_main, args=(rank, port, mode, kind, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+    outcomes: Dict[int, Any] = {}
+    while True:
+        try:
+            rank, outcome = results.get(timeout=1)
+        except queues.Empty:
+            break
+        outcomes[rank] = outcome
+    for rank, proc in enumerate(procs):
+        outcomes.setdefault(rank, f"exited {proc.exitcode}")
+    return outcomes

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import memgather
-from memgather import rss
+from memgather import compat, rss
 
 _groups: Dict[Tuple[int, ...], Any] = {}
 
@@ -97,6 +97,11 @@ def make_slots(kind: str, t: torch.Tensor, world: int, rank: int) -> Tuple[List[
     raise ValueError(kind)
 
 
+def _storage_bytes(t: torch.Tensor) -> int:
+    storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()  # torch 1.13 has only the latter
+    return storage.nbytes()
+
+
 def differential(ctx: Any, cases: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Run each case unpatched and through memgather; report what differs."""
     return [_one_case(ctx, case) for case in cases]
@@ -111,20 +116,23 @@ def _one_case(ctx: Any, case: Dict[str, Any]) -> Dict[str, Any]:
     t = make_input(dtype, tuple(case["shape"]), case["seed"] * 100 + ctx.rank, case["layout"])
 
     ref_slots, ref_input = make_slots(case["slots"], t, world, grank)
-    ref_return = _call(dist.all_gather, ref_slots, ref_input, group, case["async"])
+    ref_return, ref_raised = _call(dist.all_gather, ref_slots, ref_input, group, case["async"])
 
     slots, given = make_slots(case["slots"], t, world, grank)
     ids = [id(s) for s in slots]
     versions = [s._version for s in slots]
     before = [as_bytes(s) for s in slots]
     memgather.reset_stats()
-    got_return = _call(memgather.all_gather, slots, given, group, case["async"])
+    got_return, got_raised = _call(memgather.all_gather, slots, given, group, case["async"])
     snapshot = memgather.stats()
+    if ref_raised or got_raised:
+        return {"member": member, "raised": [ref_raised, got_raised]}
     # A rank outside the group must find its slots untouched (their bytes may
     # be uninitialised, so they cannot be compared with the reference's).
     expected_bytes = [as_bytes(a) for a in ref_slots] if member else before
     return {
         "member": member,
+        "raised": [None, None],
         "equal": expected_bytes == [as_bytes(b) for b in slots],
         "meta_equal": [(a.shape, a.dtype) for a in ref_slots] == [(b.shape, b.dtype) for b in slots],
         "return_kind": (type(ref_return).__name__, type(got_return).__name__),
@@ -133,15 +141,19 @@ def _one_case(ctx: Any, case: Dict[str, Any]) -> Dict[str, Any]:
         "strategy": dict(snapshot.by_strategy),
         "route": dict(snapshot.by_route),
         "fallbacks": dict(snapshot.fallbacks),
-        "one_buffer": len({s.untyped_storage().data_ptr() for s in slots}) == 1,
+        "one_buffer": len({compat.storage_ptr(s) for s in slots}) == 1,
     }
 
 
-def _call(fn: Any, slots: List[torch.Tensor], given: torch.Tensor, group: Any, async_op: bool) -> Any:
-    result = fn(slots, given, group=group, async_op=async_op)
-    if async_op and result is not None:
-        result.wait()
-    return result
+def _call(fn: Any, slots: List[torch.Tensor], given: torch.Tensor, group: Any, async_op: bool) -> Tuple[Any, Optional[str]]:
+    """(what ``fn`` returned, None) or (None, the name of the exception it raised)."""
+    try:
+        result = fn(slots, given, group=group, async_op=async_op)
+        if async_op and result is not None:
+            result.wait()
+    except Exception as error:  # noqa: BLE001 - torch's refusals are part of what is compared
+        return None, type(error).__name__
+    return result, None
 
 
 class FunctionTensor(torch.Tensor):
@@ -319,10 +331,15 @@ def gather_result(ctx: Any, shape: Tuple[int, ...], dtype_name: str, subgroup: O
     world = dist.get_world_size(group)
     t = make_input(getattr(torch, dtype_name), shape, 7 + ctx.rank)
     ref = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(ref, t, group=group)
+    _, ref_raised = _call(dist.all_gather, ref, t, group, False)
     want = torch.stack(ref) if t.dim() == 0 else torch.cat(ref)
     memgather.reset_stats()
-    got = memgather.gather(t, group=group)
+    try:
+        got = memgather.gather(t, group=group)
+    except Exception as error:  # noqa: BLE001 - where torch refuses the dtype, memgather must too
+        return {"member": True, "raised": [ref_raised, type(error).__name__]}
+    if ref_raised:
+        return {"member": True, "raised": [ref_raised, None]}
     return {"member": True, "shape": list(got.shape), "want_shape": list(want.shape), "equal": as_bytes(got) == as_bytes(want),
             "routes": dict(memgather.stats().by_route)}
 
@@ -360,7 +377,7 @@ def failure_after_rebind(ctx: Any, numel: int) -> Dict[str, Any]:
         "strategy": dict(memgather.stats().by_strategy),
         "identity_kept": [id(s) for s in slots] == ids,
         "shapes": [list(s.shape) for s in slots],
-        "allocated": all(s.untyped_storage().nbytes() >= s.numel() * s.element_size() for s in slots),
+        "allocated": all(_storage_bytes(s) >= s.numel() * s.element_size() for s in slots),
     }
 
 
@@ -394,13 +411,13 @@ def direct_in_place(ctx: Any, numel: int) -> Dict[str, Any]:
     slots = list(buffer.view(ctx.world, numel).unbind(0))
     slots[ctx.rank].copy_(_filled(ctx.rank, (numel,)))
     pointers = [s.data_ptr() for s in slots]
-    buffer_ptr = buffer.untyped_storage().data_ptr()
+    buffer_ptr = compat.storage_ptr(buffer)
     memgather.reset_stats()
     memgather.all_gather(slots, slots[ctx.rank])
     return {
         "strategy": dict(memgather.stats().by_strategy),
         "pointers_kept": [s.data_ptr() for s in slots] == pointers,
-        "same_storage": buffer.untyped_storage().data_ptr() == buffer_ptr,
+        "same_storage": compat.storage_ptr(buffer) == buffer_ptr,
         "correct": all(torch.equal(buffer.view(ctx.world, numel)[r], _filled(r, (numel,))) for r in range(ctx.world)),
     }
 
@@ -809,3 +826,14 @@ def verify_catches(ctx: Any, shape: Tuple[int, ...], async_op: bool, corrupt_ran
         return {"raised": False}
     finally:
         routes.run, routes.broadcast_into = real_run, real_broadcast
+
+
+def gloo_single_tensor_call(ctx: Any) -> Dict[str, Any]:
+    """Whether gloo carries out torch's single-tensor all-gather here, and correctly when it does."""
+    primitive = memgather.primitive().function
+    out = torch.zeros(ctx.world * 3)
+    try:
+        primitive(out, _filled(ctx.rank))
+    except RuntimeError as error:
+        return {"works": False, "message": str(error)}
+    return {"works": True, "correct": torch.equal(out, torch.cat([_filled(r) for r in range(ctx.world)]))}

@@ -9,7 +9,7 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.faults import rank_main
+from tests.faults import pair_outcomes, rank_main
 from tests.pool import free_port
 
 TIMEOUT_S = 3.0
@@ -58,38 +58,11 @@ def test_survivor_raises_in_time_with_valid_slots(scenario: str, numel: int, asy
     assert result["exitcode"] == 0, result  # shut down cleanly: process group destroyed, normal exit
 
 
-def _uneven(mode: str, kind: str) -> Dict[int, Any]:
-    """Each rank's outcome: its report, or how its process ended."""
-    from tests.faults import uneven_main
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=uneven_main, args=(rank, port, mode, kind, results)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=10)
-    outcomes: Dict[int, Any] = {}
-    while True:
-        try:
-            rank, outcome = results.get(timeout=1)
-        except queues.Empty:
-            break
-        outcomes[rank] = outcome
-    for rank, proc in enumerate(procs):
-        outcomes.setdefault(rank, f"exited {proc.exitcode}")
-    return outcomes
-
-
 @pytest.mark.parametrize("kind", ["first-dim", "trailing-dim", "dtype"])
 def test_uneven_ranks_without_check_end_as_torch_ends(kind: str) -> None:
     """Check off, memgather gives torch's outcome: gloo aborts on a size mismatch, and passes
     same-sized bytes of another dtype through. (The README tabulates it.)"""
-    ours, torchs = _uneven("memgather", kind), _uneven("torch", kind)
+    ours, torchs = pair_outcomes("memgather", kind), pair_outcomes("torch", kind)
     if kind == "dtype":
         assert ours == torchs
         return

@@ -3,18 +3,18 @@ installed from its wheel (not editable), running a real 2-process gloo job."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Any, Dict, Iterator
+from typing import Dict, Iterator
 
 import pytest
 
+from tests.jobs import JOB, run_job
+
 ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "venv_job"
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +37,6 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield python
 
 
-def _job(python: Path, **env: str) -> Any:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
-    clean.update(env)
-    done = subprocess.run([str(python), str(JOB / "job.py")], capture_output=True, text=True, env=clean, cwd=JOB, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_the_wheel_carries_the_pth(venv: Path) -> None:
     site = next(venv.parent.parent.glob("lib/python*/site-packages"))
     assert (site / "memgather.pth").read_text().startswith("import os;")
@@ -52,19 +44,19 @@ def test_the_wheel_carries_the_pth(venv: Path) -> None:
 
 
 def test_memgather_1_rewires_target_callers_only(venv: Path) -> None:
-    for rank in _job(venv, MEMGATHER="1", MEMGATHER_TARGETS="mgtarget", MEMGATHER_REPORT="all"):
+    for rank in run_job(venv, MEMGATHER="1", MEMGATHER_TARGETS="mgtarget", MEMGATHER_REPORT="all"):
         assert rank["patched"] and "site-packages" in rank["memgather_file"]
         assert rank["target"] == 1 and rank["other"] == 0
         assert rank["target_correct"] and rank["other_correct"]
 
 
 def test_unset_nothing_is_patched(venv: Path) -> None:
-    for rank in _job(venv):
+    for rank in run_job(venv):
         assert not rank["patched"] and rank["target"] == 0
 
 
 def test_kill_switch_beats_patch_in_code(venv: Path) -> None:
-    for rank in _job(venv, MEMGATHER="0", CALL_PATCH="1", MEMGATHER_TARGETS="mgtarget"):
+    for rank in run_job(venv, MEMGATHER="0", CALL_PATCH="1", MEMGATHER_TARGETS="mgtarget"):
         assert not rank["patched"] and rank["target"] == 0 and rank["target_correct"]
 
 

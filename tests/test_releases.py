@@ -1,0 +1,83 @@
+"""The version gates against the torch release installed.
+
+`tox -m torch-releases` runs this file, with the core, differential and patcher
+tests, on each torch release named in releases.MEASURED: a gate that picked a primitive
+or a route the release does not have fails here, not on a user's cluster.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from memgather import compat
+from tests import compatibility
+from tests.conftest import unwrap
+from tests.faults import pair_outcomes
+from tests.ranks import gloo_single_tensor_call
+from tests.releases import CURRENT, MEASURED
+
+
+
+
+def test_gates_are_the_facts_measured_on_this_release() -> None:
+    if CURRENT is None:
+        pytest.skip(f"torch {torch.__version__} is not among the releases measured: {sorted(MEASURED)}")
+    facts = CURRENT
+    assert compat.single_tensor_primitive().name == facts.primitive
+    assert compat.gloo_has_single_tensor() == facts.gloo_single
+    assert compat.can_prove_exclusive() == facts.use_count
+
+
+def test_gloo_gate_agrees_with_what_gloo_does(pools: Any) -> None:
+    """The single-tensor call on a real gloo group (a pool of its own: a refusal must not
+    leave the shared pools' group behind) works exactly where the gate says so."""
+    for result in unwrap(pools(2, POOL="gloo-probe").run(gloo_single_tensor_call)):
+        if compat.gloo_has_single_tensor():
+            assert result == {"works": True, "correct": True}
+        else:
+            assert not result["works"] and "_allgather_base" in result["message"]
+
+
+def test_doctor_shows_each_backends_verdict_on_this_release() -> None:
+    done = subprocess.run([sys.executable, "-m", "memgather", "doctor"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    primitive = compat.single_tensor_primitive().name
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith("  ") and " available" in line}
+    assert f"single-tensor all-gather: {primitive}" in done.stdout
+    assert "gloo  available: sync calls from 2 MiB per rank" in lines["gloo"]
+    gloo_async = f"async ones through {primitive}" if compat.gloo_has_single_tensor() else "async ones stay with torch"
+    assert gloo_async in lines["gloo"], lines["gloo"]
+    fresh = "fresh slots rebound" if compat.can_prove_exclusive() else "fresh slots left to torch"
+    assert f"{primitive} into one buffer" in lines["nccl"] and fresh in lines["nccl"], lines["nccl"]
+    assert "every call stays with torch" in lines["mpi"]
+
+
+def test_empty_tensors_end_as_torch_ends() -> None:
+    """Fresh processes each: where torch's gloo dies on empty tensors, memgather's call dies the same way."""
+    assert pair_outcomes("memgather", "empty") == pair_outcomes("torch", "empty")
+
+
+def test_version_counter_bump_without_autograds_helper_writes_nothing() -> None:
+    """torch 1.13 to 2.1 have no increment_version: the fallback bumps by one, bytes untouched."""
+    special = torch.tensor([float("nan"), -0.0, float("inf"), 1.5])
+    for tensor in (special.clone(), special.clone()[1:].view(3, 1).t(), torch.tensor(7, dtype=torch.int8)):
+        before, version = tensor.clone(), tensor._version
+        compat._increment_through_empty_view(tensor)
+        assert tensor._version == version + 1
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), before.reshape(-1).view(torch.uint8))
+
+
+def test_target_module_under_memgather_1_grows_by_the_gathered_size() -> None:
+    """The bar of each release: 2 gloo ranks, 98 MiB of fresh slots per rank, a target module
+    under MEMGATHER=1 through memgather.pth: at most 1.05 x the gathered size, torch's bytes."""
+    for rank in compatibility.measure():
+        assert rank["patched"], rank
+        assert rank["identical"], rank
+        assert rank["memgather"] <= 1.05, rank
+        assert rank["torch"] >= 1.5, rank  # what torch's temporary adds: the measurement sees it
+        assert rank["memgather_stats"]["strategy"] == {"in_slots": 1}, rank
