@@ -148,7 +148,7 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
     assert f"    {ci}\n" in readme, "the README's test command and .ci/run have drifted apart"
-    assert ci.endswith(".venv/bin/python -m pytest && .venv/bin/tox -m integration-fast")
+    assert ci.endswith(".venv/bin/python -m pytest && .venv/bin/tox -m ci")
 
 
 def test_every_integration_environment_has_its_test_and_label() -> None:
@@ -163,7 +163,25 @@ def test_every_integration_environment_has_its_test_and_label() -> None:
         test_file = env["commands"].split()[-2]
         assert (ROOT / test_file).is_file(), (name, test_file)
         assert env["package"] == "wheel"  # memgather.pth installed as a user gets it
-    assert "integration-fast" not in integration["open_clip"]["labels"]  # 5.5 GB of torch: by hand
+    assert "ci" not in integration["open_clip"]["labels"]  # 5.5 GB of torch: by hand
+
+
+def test_every_torch_release_environment_is_a_measured_release() -> None:
+    import configparser
+
+    from tests.releases import MEASURED
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    releases = {name.split(":", 1)[1]: tox[name] for name in tox.sections()
+                if name.startswith("testenv:") and "torch-releases" in tox[name].get("labels", "")}
+    pinned = {}
+    for name, env in releases.items():
+        torch_pin = next(line.strip() for line in env["deps"].splitlines() if line.strip().startswith("torch=="))
+        pinned[name] = tuple(int(part) for part in torch_pin.split("==")[1].split(".")[:2])
+        assert env["commands"] == "{[releases]commands}" and env["package"] == "wheel", name
+    assert set(pinned.values()) == set(MEASURED)
+    assert "ci" in releases["torch2.13"]["labels"] and pinned["torch2.13"] == (2, 13)
 
 
 def test_bench_digest_needs_no_numpy() -> None:
