@@ -21,6 +21,7 @@ def rank_main(rank: int, port: int, scenario: str, numel: int, async_op: bool, t
     import torch.distributed as dist
 
     import memgather
+    from tests.ranks import storage_bytes
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=timeout_s))
@@ -47,7 +48,7 @@ def rank_main(rank: int, port: int, scenario: str, numel: int, async_op: bool, t
     result["identity_kept"] = [id(s) for s in slots] == ids
     result["shapes"] = [list(s.shape) for s in slots]
     # Every byte of every slot can be read: its storage is allocated and large enough.
-    result["readable"] = all(s.untyped_storage().nbytes() >= s.numel() * s.element_size() for s in slots) and all(
+    result["readable"] = all(storage_bytes(s) >= s.numel() * s.element_size() for s in slots) and all(
         s.clone().numel() == numel for s in slots
     )
     result["strategy"] = dict(memgather.stats().by_strategy)

@@ -97,7 +97,8 @@ def make_slots(kind: str, t: torch.Tensor, world: int, rank: int) -> Tuple[List[
     raise ValueError(kind)
 
 
-def _storage_bytes(t: torch.Tensor) -> int:
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the tensor's storage."""
     storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()  # torch 1.13 has only the latter
     return storage.nbytes()
 
@@ -377,7 +378,7 @@ def failure_after_rebind(ctx: Any, numel: int) -> Dict[str, Any]:
         "strategy": dict(memgather.stats().by_strategy),
         "identity_kept": [id(s) for s in slots] == ids,
         "shapes": [list(s.shape) for s in slots],
-        "allocated": all(_storage_bytes(s) >= s.numel() * s.element_size() for s in slots),
+        "allocated": all(storage_bytes(s) >= s.numel() * s.element_size() for s in slots),
     }
 
 
