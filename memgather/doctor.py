@@ -28,20 +28,20 @@ def report() -> "tuple[List[str], bool]":
     lines.append(f"  distributed available: {'yes' if dist.is_available() else 'no'}")
     lines.append(f"  single-tensor all-gather: {primitive.name or 'none'} ({primitive.reason})")
     lines.append(f"  storage use count (rebind strategy): {'yes' if compat.can_prove_exclusive() else 'no'}")
+    try:
+        settings: Optional[config.Settings] = config.load()
+    except ValueError as error:
+        settings, invalid = None, error
     lines.append("backends:")
+    gloo_min_bytes = settings.gloo_min_bytes if settings is not None else None
     lines.extend(f"  {name:<5} {'available' if _available(dist, name) else 'not available'}: {plan}"
-                 for name, plan in backend_plans(primitive.name).items())
+                 for name, plan in backend_plans(primitive.name, gloo_min_bytes).items())
     lines.append("targets:")
     for target in targets.BUILTIN:
         verdict = targets.gate(target)
         state = "rewired" if verdict.allowed else "left to torch"
         lines.append(f"  {target.name:<13} {verdict.version or '-':<12} {state}: {verdict.reason}")
-    try:
-        settings = config.load()
-        lines.append(f"environment: {settings}")
-    except ValueError as error:
-        lines.append(f"environment: INVALID: {error}")
-        settings = None
+    lines.append(f"environment: {settings}" if settings is not None else f"environment: INVALID: {invalid}")
     pth = find_pth()
     lines.append(f".pth: {pth or 'not installed (MEMGATHER=1 and memgather run cannot patch new processes)'}")
     usable = dist.is_available() and primitive.function is not None and settings is not None
@@ -49,7 +49,7 @@ def report() -> "tuple[List[str], bool]":
     return lines, usable
 
 
-def backend_plans(primitive: Optional[str]) -> Dict[str, str]:
+def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None) -> Dict[str, str]:
     """What memgather does with a call on each backend, on this torch (see routes.choose)."""
     from memgather import compat, routes
 
@@ -57,17 +57,21 @@ def backend_plans(primitive: Optional[str]) -> Dict[str, str]:
         return {name: "every call stays with torch (no single-tensor all-gather)" for name in ("gloo", "nccl", "mpi", "ucc")}
     fresh = "rebound to one buffer" if compat.can_prove_exclusive() else "left to torch (no storage use count to prove a rebind safe)"
     since = ".".join(map(str, compat.GLOO_SINGLE_TENSOR_SINCE))
-    threshold = routes.BROADCAST_MIN_BYTES_PER_RANK >> 20
+    threshold = _size(routes.gloo_threshold(gloo_min_bytes))
     if compat.gloo_has_single_tensor():
         gloo_async = f"async ones through {primitive} (gloo has it from torch {since})"
     else:
         gloo_async = f"async ones stay with torch (gloo has no single-tensor all-gather before torch {since})"
     return {
-        "gloo": f"sync calls from {threshold} MiB per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into the slots; {gloo_async}",
+        "gloo": f"sync calls from {threshold} per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into the slots; {gloo_async}",
         "nccl": f"{primitive} into one buffer: views of it written in place, fresh slots {fresh}",
         "mpi": "every call stays with torch",
         "ucc": "every call stays with torch",
     }
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes and nbytes % (1 << 20) == 0 else f"{nbytes} bytes"
 
 
 def find_pth() -> Optional[str]:

@@ -50,6 +50,11 @@ def test_doctor_reports_and_exits_zero_when_usable() -> None:
         assert expected in done.stdout
 
 
+def test_doctor_states_the_gloo_threshold_in_force() -> None:
+    done = _run([PYTHON, "-m", "memgather", "doctor"], env={"MEMGATHER_GLOO_MIN_BYTES": str(4 << 20)})
+    assert done.returncode == 0 and "gloo  available: sync calls from 4 MiB per rank" in done.stdout, done.stdout
+
+
 def test_doctor_names_an_invalid_setting() -> None:
     done = _run([PYTHON, "-m", "memgather", "doctor"], env={"MEMGATHER_CHECK": "maybe"})
     assert done.returncode == 1 and "MEMGATHER_CHECK='maybe' is not a boolean" in done.stdout
