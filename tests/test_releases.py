@@ -22,15 +22,12 @@ from tests.ranks import gloo_single_tensor_call
 from tests.releases import CURRENT, MEASURED
 
 
-
-
 def test_gates_are_the_facts_measured_on_this_release() -> None:
     if CURRENT is None:
         pytest.skip(f"torch {torch.__version__} is not among the releases measured: {sorted(MEASURED)}")
-    facts = CURRENT
-    assert compat.single_tensor_primitive().name == facts.primitive
-    assert compat.gloo_has_single_tensor() == facts.gloo_single
-    assert compat.can_prove_exclusive() == facts.use_count
+    assert compat.single_tensor_primitive().name == CURRENT.primitive
+    assert compat.gloo_has_single_tensor() == CURRENT.gloo_single
+    assert compat.can_prove_exclusive() == CURRENT.use_count
 
 
 def test_gloo_gate_agrees_with_what_gloo_does(pools: Any) -> None:
