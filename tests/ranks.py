@@ -241,7 +241,8 @@ def _slot_with_view(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Te
 
 def _slot_with_storage(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
     slots = [torch.zeros(3) for _ in range(world)]
-    return slots, _filled(rank), slots[0].untyped_storage()
+    storage = slots[0].untyped_storage() if hasattr(torch.Tensor, "untyped_storage") else slots[0].storage()  # 1.13
+    return slots, _filled(rank), storage
 
 
 def _outcome(fn: Any, build: Any, rank: int, world: int, **kwargs: Any) -> Tuple[str, Any]:

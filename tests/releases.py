@@ -6,8 +6,10 @@ checks memgather's gates against them.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import NamedTuple, Optional
 
+import pytest
 import torch
 from packaging.version import Version
 
@@ -38,3 +40,10 @@ def gloo_gathers_empty_tensors() -> bool:
 
 EMPTY_KILLS_GLOO = (f"torch {torch.__version__}'s gloo dies of SIGFPE gathering empty tensors, under torch alone; "
                     "test_releases compares that outcome in fresh processes")
+
+
+# torch's no-op "fake" backend lets one process be a world of 2; it arrived after 2.0.
+requires_fake_backend = pytest.mark.skipif(
+    importlib.util.find_spec("torch.testing._internal.distributed.fake_pg") is None,
+    reason="this torch has no fake backend (torch 2.0.1 and older), which lets one process be a world of 2",
+)

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 import memgather
-from memgather import Reason
+from memgather import Reason, compat
 from tests.conftest import EAGER, unwrap
 from tests.ranks import BAD_INPUTS, compare_bad_input, compare_mixed_dtypes, compare_peer_dependent
+from tests.releases import requires_fake_backend
 
 EXPECTED_REASON = {
     "not_a_list": "not_a_list",
@@ -43,7 +44,7 @@ EXPECTED_REASON = {
     "slot_view_held": "slots_shared",
     "slot_storage_held": "slots_shared",
     "permuted_slots": "slot_not_contiguous",
-    "overlapping_slots": "slots_shared",
+    "overlapping_slots": "slots_shared" if compat.can_prove_exclusive() else "cannot_prove_exclusive",
     "input_views_other_slot": "input_overlaps_output",
 }
 
@@ -55,6 +56,10 @@ SMALL = 3
 # filled where they lie: the kept view or storage then sees the gathered data, as under
 # torch (compared above). On the single route they fall back (slots_shared, below).
 FILLED_IN_SLOTS = {"slot_view_held", "slot_storage_held"}
+if not compat.can_prove_exclusive():
+    # Where no rebind can be proven (torch 1.13.1, 2.0.1), the rebind that this case's
+    # input (its own fresh slot) rules out is never tried: the slots are filled where they lie.
+    FILLED_IN_SLOTS.add("input_is_own_fresh_slot")
 
 
 def test_every_bad_input_has_an_expected_reason() -> None:
@@ -76,8 +81,11 @@ def test_single_route_mixed_decisions_meet_on_the_wire(pools: Any) -> None:
     """Rank 0 rewires (async: the single-tensor call), rank 1 falls back (torch's list call):
     both still meet on the wire and give torch's bytes."""
     first, second = unwrap(pools(2, **EAGER).run(compare_peer_dependent, SMALL, 1, True))
-    assert first["strategy"] == {"rebind": 1}
-    assert second["fallbacks"] == {"slots_shared": 1}
+    if compat.gloo_has_single_tensor():
+        assert first["strategy"] == {"rebind": 1}
+        assert second["fallbacks"] == {"slots_shared": 1}
+    else:  # no single-tensor call on this gloo: both stay with torch, before their slots are looked at
+        assert first["fallbacks"] == second["fallbacks"] == {"backend": 1}
     for result in (first, second):
         assert result["got"] == result["want"]
 
@@ -99,10 +107,10 @@ def test_ranks_disagreeing_on_dtype_fall_back_without_check(pools: Any) -> None:
 
 def test_not_initialized_raises_what_torch_raises() -> None:
     assert not dist.is_initialized()
-    with pytest.raises(ValueError) as torch_error:
+    with pytest.raises(Exception) as torch_error:  # ValueError on torch 2.13, RuntimeError on 2.0.1
         dist.all_gather([torch.empty(3)], torch.ones(3))
     memgather.reset_stats()
-    with pytest.raises(ValueError) as ours:
+    with pytest.raises(torch_error.type) as ours:
         memgather.all_gather([torch.empty(3)], torch.ones(3))
     assert str(ours.value) == str(torch_error.value)
     assert dict(memgather.stats().fallbacks) == {"not_initialized": 1}
@@ -115,7 +123,6 @@ def _run_script(body: str) -> Any:
         import json, warnings
         warnings.simplefilter("ignore")
         import torch, torch.distributed as dist
-        from torch.testing._internal.distributed.fake_pg import FakeStore
         """
     )
     done = subprocess.run(
@@ -126,12 +133,14 @@ def _run_script(body: str) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@requires_fake_backend
 def test_coalescing_manager_is_left_to_torch() -> None:
     # gloo refuses coalescing outright; torch's no-op "fake" backend queues ops.
     got = _run_script(
         """
         import memgather
         from torch.distributed.distributed_c10d import _coalescing_manager
+        from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         with _coalescing_manager(device=torch.device("cpu")):
             memgather.all_gather([torch.empty(3) for _ in range(2)], torch.ones(3))
@@ -141,10 +150,12 @@ def test_coalescing_manager_is_left_to_torch() -> None:
     assert got == {"coalescing": 1}
 
 
+@requires_fake_backend
 def test_compiled_function_is_left_to_torch() -> None:
     got = _run_script(
         """
         import memgather
+        from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         def f(t):
             slots = [torch.empty_like(t) for _ in range(2)]
@@ -163,9 +174,11 @@ def test_torch_without_single_tensor_primitive() -> None:
     got = _run_script(
         """
         for name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
-            delattr(dist, name)
+            if hasattr(dist, name):  # all_gather_single arrived in 2.13
+                delattr(dist, name)
         import memgather
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        import tempfile  # a file rendezvous: torch 2.0 reads tcp port 0 as a missing port
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
         slots = [torch.empty(3)]
         memgather.all_gather(slots, torch.arange(3.0))
         print(json.dumps({"fallbacks": dict(memgather.stats().fallbacks),
@@ -177,6 +190,7 @@ def test_torch_without_single_tensor_primitive() -> None:
     assert got["data"] == [0.0, 1.0, 2.0]
 
 
+@requires_fake_backend
 def test_torch_without_storage_use_count() -> None:
     # torch 2.0.1 has no _storage_Use_Count (DESIGN.md); removing it reaches that path.
     # The "fake" backend gives a group of 2 in one process, so fresh slots need a rebind.
@@ -184,6 +198,7 @@ def test_torch_without_storage_use_count() -> None:
         """
         del torch._C._storage_Use_Count
         import memgather
+        from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         memgather.all_gather([torch.empty(3) for _ in range(2)], torch.arange(3.0))
         print(json.dumps(dict(memgather.stats().fallbacks)))

@@ -17,6 +17,7 @@ import memgather
 from memgather import patcher
 from tests.conftest import EAGER, unwrap
 from tests.ranks import scoped_calls
+from tests.releases import requires_fake_backend
 
 ORIGINAL = dist.distributed_c10d.all_gather
 # all_gather_object gathers sizes, then bytes: through distributed_c10d.all_gather up to
@@ -169,6 +170,7 @@ print(json.dumps([type(m.gather(torch.ones(3))[0]) is ElidableSlot for m in (aud
 '''
 
 
+@requires_fake_backend
 @pytest.mark.parametrize(
     "elide_argument,environment,expected",
     [("null", {}, [True, False]), ("null", {"MEMGATHER_ELIDE": "0"}, [False, False]),
@@ -177,13 +179,9 @@ print(json.dumps([type(m.gather(torch.ones(3))[0]) is ElidableSlot for m in (aud
 )
 def test_elision_defaults_to_audited_targets(tmp_path: Any, elide_argument: str, environment: Any, expected: Any) -> None:
     """Built-in targets found through real distribution metadata: transformers is audited, mmengine is not."""
-    import importlib.util
     import json
     import os
     import subprocess
-
-    if importlib.util.find_spec("torch.testing._internal.distributed.fake_pg") is None:
-        pytest.skip("this torch has no fake backend (torch 2.0.1 and older), which lets one process be a world of 2")
 
     for name, version in (("transformers", "4.40.0"), ("mmengine", "0.10.0")):
         info = tmp_path / f"{name}-{version}.dist-info"
