@@ -56,9 +56,10 @@ def single_tensor_primitive() -> Primitive:
     return Primitive(None, None, reason, version)
 
 
-# Measured on real wheels from the package index, 2 gloo ranks calling
-# all_gather_into_tensor: torch 2.0.1 and 2.1.2 raise "no support for
-# _allgather_base in Gloo process group"; 2.2.0, 2.3.1, 2.6.0, 2.12.1 and 2.13.0 gather.
+# Measured on real wheels from the package index, 2 gloo ranks calling the
+# single-tensor all-gather: torch 1.13.1, 2.0.1 and 2.1.2 raise "no support for
+# _allgather_base in Gloo process group"; 2.2.0, 2.3.1, 2.6.0, 2.12.1, 2.13.0 and
+# 2.15.0 gather (tests/test_releases.py checks it on each release tox runs).
 GLOO_SINGLE_TENSOR_SINCE = (2, 2)
 
 

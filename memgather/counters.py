@@ -95,7 +95,6 @@ def reset_stats() -> None:
         _fallbacks.clear()
         _bytes_saved = 0
         _verified = 0
-_verified = 0
 
 
 def _human(size: float) -> str:
