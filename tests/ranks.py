@@ -97,10 +97,14 @@ def make_slots(kind: str, t: torch.Tensor, world: int, rank: int) -> Tuple[List[
     raise ValueError(kind)
 
 
+def storage_of(t: torch.Tensor) -> Any:
+    """The tensor's storage object (torch 1.13 has only the typed one)."""
+    return t.untyped_storage() if hasattr(torch.Tensor, "untyped_storage") else t.storage()
+
+
 def storage_bytes(t: torch.Tensor) -> int:
     """Bytes of the tensor's storage."""
-    storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()  # torch 1.13 has only the latter
-    return storage.nbytes()
+    return storage_of(t).nbytes()
 
 
 def differential(ctx: Any, cases: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -241,8 +245,7 @@ def _slot_with_view(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Te
 
 def _slot_with_storage(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
     slots = [torch.zeros(3) for _ in range(world)]
-    storage = slots[0].untyped_storage() if hasattr(torch.Tensor, "untyped_storage") else slots[0].storage()  # 1.13
-    return slots, _filled(rank), storage
+    return slots, _filled(rank), storage_of(slots[0])
 
 
 def _outcome(fn: Any, build: Any, rank: int, world: int, **kwargs: Any) -> Tuple[str, Any]:

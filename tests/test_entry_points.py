@@ -4,7 +4,6 @@ pure-Python wrapt, and MEMGATHER=1 through memgather.pth in a real virtual envir
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,14 +12,14 @@ from typing import Dict, List
 
 import pytest
 
+from tests.jobs import environment
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 
 def _run(args: List[str], env: Dict[str, str] = None, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
-    full_env.update(env or {})
-    return subprocess.run(args, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
+    return subprocess.run(args, capture_output=True, text=True, env=environment(**(env or {})), cwd=cwd, timeout=timeout)
 
 
 def test_cli_run_sets_the_environment_and_execs() -> None:

@@ -15,6 +15,7 @@ import wrapt
 
 import memgather
 from memgather import patcher
+from tests import jobs
 from tests.conftest import EAGER, unwrap
 from tests.ranks import scoped_calls
 from tests.releases import requires_fake_backend
@@ -180,16 +181,13 @@ print(json.dumps([type(m.gather(torch.ones(3))[0]) is ElidableSlot for m in (aud
 def test_elision_defaults_to_audited_targets(tmp_path: Any, elide_argument: str, environment: Any, expected: Any) -> None:
     """Built-in targets found through real distribution metadata: transformers is audited, mmengine is not."""
     import json
-    import os
     import subprocess
 
     for name, version in (("transformers", "4.40.0"), ("mmengine", "0.10.0")):
         info = tmp_path / f"{name}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
-    env.update(environment)
     done = subprocess.run([sys.executable, "-c", ELIDE_SCRIPT, str(tmp_path), elide_argument],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=jobs.environment(**environment), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == expected

@@ -3,16 +3,15 @@ installed from its wheel (not editable), running a real 2-process gloo job."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Iterator
 
 import pytest
 
-from tests.jobs import JOB, run_job
+from tests.jobs import JOB, environment, launch, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,27 +60,22 @@ def test_kill_switch_beats_patch_in_code(venv: Path) -> None:
 
 
 def test_report_at_exit(venv: Path) -> None:
-    clean: Dict[str, str] = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
-    clean.update(MEMGATHER="1", MEMGATHER_TARGETS="mgtarget", MEMGATHER_REPORT="all")
-    done = subprocess.run([str(venv), str(JOB / "job.py")], capture_output=True, text=True, env=clean, cwd=JOB, timeout=300)
+    done = launch(venv, MEMGATHER="1", MEMGATHER_TARGETS="mgtarget", MEMGATHER_REPORT="all")
     assert "[memgather rank 0] memgather:" in done.stderr and "[memgather rank 1] memgather:" in done.stderr
 
 
 def test_pth_processed_twice_is_harmless(venv: Path) -> None:
     site = next(venv.parent.parent.glob("lib/python*/site-packages"))
     script = f"import site; site.addsitedir({str(site)!r}); import torch.distributed as dist, memgather; print(type(dist.all_gather).__mro__[0].__name__, memgather.is_patched())"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
-    clean.update(MEMGATHER="1")
-    done = subprocess.run([str(venv), "-c", script], capture_output=True, text=True, env=clean, timeout=300)
+    done = subprocess.run([str(venv), "-c", script], capture_output=True, text=True, env=environment(MEMGATHER="1"), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["MemgatherWrapper", "True"]
 
 
 def test_memgather_run_in_front_of_torchrun(venv: Path) -> None:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
     command = [str(venv), "-m", "memgather", "run", "--targets", "mgtarget", "--report", "all", "--",
                str(venv), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "torchrun_job.py"]
-    done = subprocess.run(command, capture_output=True, text=True, env=clean, cwd=JOB, timeout=180)
+    done = subprocess.run(command, capture_output=True, text=True, env=environment(), cwd=JOB, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert f"[memgather rank {rank}] memgather: 1 calls, 1 rewired (in_slots=1)" in done.stderr
