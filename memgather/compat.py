@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,30 +103,117 @@ storage_ptr: Callable[[torch.Tensor], int] = _find_storage_ptr()
 
 def can_prove_exclusive() -> bool:
     """Whether this torch lets memgather prove a tensor alone holds its storage."""
-    return _use_count is not None
+    return _use_count is not None and _tensor_use_count is not None
 
 
 def holds_storage_alone(tensor: torch.Tensor) -> bool:
-    """True when ``tensor`` is the only holder of its storage.
+    """True when ``tensor`` is the only holder of its storage, and nothing in C++ holds ``tensor``.
 
-    Two counts must both show a single holder: the C++ use count of the
-    storage (views and other tensors add to it) and the Python reference count
+    Three counts must all show a single holder: the C++ use count of the
+    storage (views and other tensors add to it), the Python reference count
     of the storage object (a caller's ``t.untyped_storage()`` kept in a
-    variable adds to it, not to the use count).
+    variable adds to it, not to the use count), and the tensor's own C++ use
+    count (a DLPack capsule holds the tensor, not its storage: a rebind would
+    free the memory under its consumer).
     """
-    return _storage_counts(tensor) == _SOLE_HOLDER_COUNTS
+    return storage_holders(tensor) == 1 and held_only_by_python(tensor)
+
+
+def storage_holders(tensor: torch.Tensor) -> Optional[int]:
+    """How many tensors hold ``tensor``'s storage; None when a storage object is kept in Python too."""
+    use_count, references = _storage_counts(tensor)
+    if references != _SOLE_HOLDER_COUNTS[1]:
+        return None
+    return use_count - _SOLE_HOLDER_COUNTS[0] + 1
 
 
 def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
     # The local storage object dies on return, so it cannot keep the memory
-    # alive through a rebind.
-    storage = tensor.untyped_storage()
+    # alive through a rebind. Subclass hooks stay out: this is memgather looking.
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = tensor.untyped_storage()
     return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
 
 
 # What a tensor nobody else knows reports here; calibrated rather than
 # hard-coded, since torch and CPython differ in the references they add.
 _SOLE_HOLDER_COUNTS = _storage_counts(torch.empty(1)) if _use_count is not None else (0, 0)
+
+# Handles to the tensor itself (not its storage) held in C++: a DLPack capsule,
+# a tensor saved for backward, a view's base. Python references do not count.
+_tensor_use_count = getattr(torch.Tensor, "_use_count", None)
+_set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def can_prove_alias_free() -> bool:
+    """Whether this torch lets memgather prove, at a cat, that nothing but the slots sees their buffer."""
+    return _use_count is not None and _tensor_use_count is not None and _set_versions is not None
+
+
+def held_only_by_python(tensor: torch.Tensor) -> bool:
+    """No C++ handle to ``tensor`` beyond its Python object (only where can_prove_alias_free())."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return _tensor_use_count(tensor) == 1  # type: ignore[misc]
+
+
+_dispatch_stack_length = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is active (it sees every aten call torch makes)."""
+    return _dispatch_stack_length() > 0
+
+
+def await_release(tensors: List[torch.Tensor], timeout_s: float = 0.05) -> None:
+    """Wait (bounded) until no C++ handle but Python's holds ``tensors``.
+
+    A finished collective's work object is released by the backend's worker
+    thread a moment after ``wait()`` returns. Until then it holds the output,
+    which a storage use count taken at that moment would see as someone else's
+    hold: memgather waits for it so that its own later proofs (a rebind of the
+    same slots, an elided cat) do not depend on a race.
+    """
+    if _tensor_use_count is None:
+        return
+    deadline = None
+    while any(_tensor_use_count(t) > 1 for t in tensors):
+        now = time.monotonic()
+        deadline = deadline or now + timeout_s
+        if now > deadline:
+            return  # held for real: the proofs will refuse, which is safe
+        time.sleep(0)
+
+
+def can_set_version() -> bool:
+    """Whether this torch lets memgather set a version counter (torch 2.1 on)."""
+    return _set_versions is not None
+
+
+def set_version(tensor: torch.Tensor, version: int) -> None:
+    """Put ``tensor``'s version counter back where torch would have left it (no-op where torch cannot)."""
+    if _set_versions is not None:
+        _set_versions((tensor,), (version,))
+
+
+def default_private_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage is plain private memory of torch's default CPU allocator.
+
+    Only then may a rebind release it and put the data elsewhere: shared memory
+    (``share_memory_()``, another process may map it), pinned memory, memory
+    that torch did not allocate (``from_numpy``, ``frombuffer``, DLPack) or
+    lent to numpy (``.numpy()``: its arrays point into it, and keep only the
+    tensor object alive) all mean something where they are; torch marks the
+    last two not resizable. On
+    CUDA memgather cannot tell a ``MemPool``'s or a pluggable allocator's block
+    from the default pool's, so no CUDA memory qualifies.
+    """
+    if tensor.device.type != "cpu":
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = tensor.untyped_storage()
+        # Not resizable: memory torch did not allocate (from_blob), or exported to numpy
+        # (``.numpy()``, ``np.asarray``), whose arrays would point at freed memory.
+        return storage.resizable() and not storage.is_shared() and not tensor.is_pinned()
 
 
 def _find_increment_version() -> Callable[[torch.Tensor], None]:
@@ -164,6 +252,9 @@ def is_coalescing(group: Any) -> bool:
     if not state:
         return False
     return (group or dist.distributed_c10d._get_default_group()) in state
+
+
+profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
 
 def inference_mode_enabled() -> bool:

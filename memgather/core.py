@@ -10,7 +10,7 @@ goes to the original ``torch.distributed.all_gather`` unchanged.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,26 @@ _log = logging.getLogger("memgather")
 # metadata exchange must never re-enter a wrapper around all_gather.
 _original_all_gather = dist.distributed_c10d.all_gather
 
-_settings = config.load()
-_gloo_min_bytes = routes.gloo_threshold(_settings.gloo_min_bytes)
+# The name of the range a profiler shows around each call memgather handles.
+PROFILER_RANGE = "memgather::all_gather"
+
+_settings = config.Settings()
+_gloo_min_bytes = routes.gloo_threshold(None)
+
+
+def configure(settings: Optional[config.Settings] = None) -> None:
+    """Take ``settings`` (default: the environment, read now) as the defaults of every later call.
+
+    Read once at import and again by every ``patch()`` / ``unpatch()``, so that
+    what ``patch()`` was given reaches direct calls too; the per-call path
+    itself reads no environment variable.
+    """
+    global _settings, _gloo_min_bytes
+    _settings = config.load() if settings is None else settings
+    _gloo_min_bytes = routes.gloo_threshold(_settings.gloo_min_bytes)
+
+
+configure()
 
 
 def original_all_gather() -> Any:
@@ -65,20 +83,32 @@ def all_gather(
     check = _settings.check if check is None else check
     if not check and _small_on_gloo(tensor_list, tensor, group):
         return _fall_back(Reason.BELOW_THRESHOLD, tensor_list, tensor, group, async_op)
+    elide = bool(_settings.elide) if elide is None else elide
+    verify = _settings.verify if verify is None else verify
+    if not compat.profiler_enabled():
+        return _all_gather(tensor_list, tensor, group, async_op, check, elide, verify)
+    # One range in a profile for the user's call: memgather's collectives show inside it.
+    with torch.autograd.profiler.record_function(PROFILER_RANGE):
+        return _all_gather(tensor_list, tensor, group, async_op, check, elide, verify)
+
+
+def _all_gather(
+    tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: bool, elide: bool, verify: bool
+) -> Any:
     reason = _precondition(tensor, group)
     if reason is not None:
         return _fall_back(reason, tensor_list, tensor, group, async_op)
-    info = groups.describe(group)
-    world = info.world
-    gathered = _gathered_bytes(tensor_list, world)
-    route = _route(tensor, info, gathered, async_op)
-    chosen = _plan(route, tensor_list, tensor, info, gathered)
-    if gathered is not None and (check or (route is not None and route.needs_agreement)):
-        chosen = _agree(chosen, tensor_list, tensor, group, world, check)
+    # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
+    with torch._C.DisableTorchFunctionSubclass():
+        info = groups.describe(group)
+        world = info.world
+        gathered = _gathered_bytes(tensor_list, world)
+        route = _route(tensor, info, gathered, async_op)
+        chosen = _plan(route, tensor_list, tensor, info, gathered)
+        if gathered is not None and (check or (route is not None and route.needs_agreement)):
+            chosen = _agree(chosen, tensor_list, tensor, group, world, check)
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
-    elide = bool(_settings.elide) if elide is None else elide
-    verify = _settings.verify if verify is None else verify
     assert route is not None and gathered is not None  # a plan that rewires had both
     return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, elide, verify)
 
@@ -206,8 +236,8 @@ def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, 
 
 def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:
     counters.record("fallback", reason=reason.value if reason else None)
-    if type(tensor_list) is list and elision.any_given(tensor_list):
-        elision.detach(tensor_list)  # torch writes in place: never into a result handed out
+    if type(tensor_list) is list:
+        elision.settle(tensor_list)  # torch writes in place: never into a result handed out
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("all_gather falls back to torch: %s", reason.value if reason else "unknown")
     return _original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
@@ -227,27 +257,33 @@ def _rewire(
     if route is routes.BROADCAST and chosen is not DIRECT and not elide and not elision.any_given(tensor_list):
         chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
     counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
+    before = slots.versions(tensor_list)
+    # Under torch the slots never carry autograd history: memgather's own copies must not add any.
+    with torch.no_grad():
+        work, written = _write(chosen, route, tensor_list, tensor, group, async_op, elide)
+    slots.mark_written(tensor_list, before)
+    return _verified(work, written, tensor, group, chosen, verify)
+
+
+def _write(
+    chosen: Plan, route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any,
+    async_op: bool, elide: bool,
+) -> Tuple[Any, List[torch.Tensor]]:
+    """Move the bytes; returns torch's work object (or None) and the tensors that now hold the result."""
     if route is routes.BROADCAST and chosen is not REBIND:
         # Direct slots already are the views a broadcast fills, and in_slots ones are filled
         # where they lie: either way the slots themselves are the destinations.
-        routes.broadcast_into(tensor_list, tensor, group)
-        slots.bump_versions(tensor_list)
-        # Synchronous, as torch's all_gather with async_op=False.
-        return _verified(None, tensor_list, tensor, group, chosen, verify)
+        routes.broadcast_into(tensor_list, tensor, group)  # synchronous, as torch's with async_op=False
+        return None, tensor_list
     if chosen is DIRECT:
-        work = routes.run(route, slots.region(tensor_list), tensor, group, async_op)
-        slots.bump_versions(tensor_list)
-        return _verified(work, tensor_list, tensor, group, chosen, verify)
+        return routes.run(route, slots.region(tensor_list), tensor, group, async_op), tensor_list
+    elision.release(tensor_list)  # slots sharing a handed-out result are rebound: no write reaches it
     flat = slots.rebind(tensor_list)
-    elision.forget(tensor_list)
     if elide:
         elision.arm(tensor_list, flat)
     work = routes.run(route, flat, tensor, group, async_op)
-    if not verify:
-        return work
-    # The slots may be armed for elision: compare plain views of the same buffer.
-    views = list(slots.stacked(flat, len(tensor_list), tensor.shape).unbind(0))
-    return _verified(work, views, tensor, group, chosen, verify)
+    # Plain views of the buffer: the slots themselves may be armed for elision by the time they are read.
+    return work, list(slots.stacked(flat, len(tensor_list), tensor.shape).unbind(0))
 
 
 def _verified(work: Any, gathered: List[torch.Tensor], tensor: torch.Tensor, group: Any, chosen: Plan, verify: bool) -> Any:

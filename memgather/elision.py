@@ -1,39 +1,67 @@
-"""Cat / stack elision: after a rebind, ``torch.cat(slots, 0)`` is the buffer itself.
+"""Cat / stack elision: after a rebind, ``torch.cat(slots, 0)`` can be the buffer itself.
 
 After a rebind the slots are adjacent views of a buffer memgather allocated,
 so concatenating them along dim 0 would only copy that buffer. When elision
-is on for a call, the slots get the ``ElidableSlot`` class (same objects,
-only ``__class__`` changes) whose ``__torch_function__`` recognises exactly
-``torch.cat`` / ``torch.concat`` / ``torch.concatenate`` (dim 0) and
-``torch.stack`` (dim 0, a view) of those slots, in order, still laid out as
-memgather left them, and returns the buffer instead of a copy. Any other
-operation turns the slots back into plain tensors first and runs as usual;
-so does the elided call itself.
+is on for a call, the slots are *armed*: they get the ``ElidableSlot`` class
+(same objects, only ``__class__`` changes). A slot is in one of three states:
 
-The hazard: the result now shares memory with the slots. That is why
-elision is on only for callers audited to drop the list after concatenating
-it. A later memgather gather into slots whose buffer was handed out never
-writes into it: those slots are rebound to a new buffer, or detached
-(copied) before a fallback lets torch write into them.
+- **armed** (``ElidableSlot``): reading metadata (``.shape``, ``.dtype``,
+  ``size()``, ``data_ptr()``, ...) keeps it armed. ``torch.cat`` /
+  ``torch.concat`` / ``torch.concatenate`` (dim 0) or ``torch.stack`` (dim 0)
+  of exactly the gathered slots, in order, returns the buffer instead of a
+  copy when ``_invisible`` proves the difference cannot be seen. Any other
+  operation, and a cat that is not proven, turns every slot of the gather
+  back into a plain tensor and then runs as torch would run it (other
+  subclasses' ``__torch_function__`` included).
+- **given** (``GivenSlot``): its buffer was handed out as a result. The first
+  operation on it (other than reading metadata) gives it a private copy of its
+  current values, so writing into a slot after the cat, or keeping one for
+  backward, never reaches the result. memgather's own gathers into given
+  slots rebind them or copy them first.
+- **plain** ``torch.Tensor``.
+
+The rule checked at the cat (``_invisible``): the slots are still where the
+rebind put them, none requires grad (torch.cat would record history), inference
+mode is as it was at the gather, no dispatch mode is watching, and nothing but
+the slots holds the buffer or the slots themselves (the storage's use count and
+the Python count of its storage object; each slot's own C++ use count, which a
+DLPack export, a saved tensor or a view's base raises).
+
+What stays visible, and is why elision is on by default only for call sites
+audited to drop the list: after the cat the result and the not-yet-touched
+slots share memory, so a write into the result followed by a read of such a
+slot shows the write; so does a write into a slot by code that bypasses
+torch's Python dispatch (a C extension, a raw pointer, a collective given the
+slot inside a list by a caller memgather does not wrap).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
+from torch.utils._pytree import tree_flatten
+
+from memgather import compat, slots as _slots
 
 _GROUP = "_memgather_elision"
 _CONCATS = (torch.cat, torch.concat, torch.concatenate)
 _given: Set[int] = set()  # ids of live slots whose buffer a result now shares
-# Metadata reads leave the slots armed (as do property reads like .shape):
-# code commonly looks at its slots before concatenating them.
-_READS = frozenset(
+
+# Reading these neither writes nor makes an alias: code commonly looks at its
+# slots before concatenating them.
+_METADATA_METHODS = frozenset(
     getattr(torch.Tensor, name)
     for name in ("data_ptr", "dim", "size", "numel", "nelement", "ndimension", "element_size",
-                 "is_contiguous", "stride", "storage_offset", "get_device", "__len__")
+                 "is_contiguous", "stride", "storage_offset", "get_device", "__len__", "is_floating_point",
+                 "is_complex", "is_signed", "is_inference", "is_conj", "is_neg")
 )
+_METADATA_PROPERTIES = frozenset((
+    "shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "grad_fn", "grad", "names",
+    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
+    "is_xpu", "is_mps", "itemsize", "nbytes", "output_nr", "_version",
+))
 
 
 class _Group:
@@ -50,34 +78,53 @@ class _Group:
     def disarm(self) -> None:
         """Every slot of the group back to a plain tensor; no elision any more."""
         self.live = False
+        self.flat = None  # type: ignore[assignment]  # memgather's hold on the buffer ends here
         for ref in self.refs:
             slot = ref()
-            if slot is not None:
-                _disarm(slot)
+            if slot is not None and type(slot) is ElidableSlot:
+                _make_plain(slot)
 
 
-class ElidableSlot(torch.Tensor):
-    """A slot just rebound by memgather; plain ``torch.Tensor`` again once used."""
+class _WatchedSlot(torch.Tensor):
+    """A slot memgather watches: metadata reads pass, anything else settles it first."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        if _is_metadata(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if func in _CONCATS or func is torch.stack:
             result = _elide(func, args, kwargs)
             if result is not None:
                 return result
-        if func not in _READS and getattr(func, "__name__", "") != "__get__":
-            _disarm_all(args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        settle(tree_flatten((args, kwargs))[0])
+        # The watched slots are plain now: dispatch afresh, as torch would have
+        # dispatched the call, other subclasses' __torch_function__ included.
+        return func(*args, **kwargs)
+
+
+class ElidableSlot(_WatchedSlot):
+    """A slot just rebound by memgather, armed for a cat; plain ``torch.Tensor`` again once used."""
+
+
+class GivenSlot(_WatchedSlot):
+    """A slot whose buffer an elided cat handed out; gets a private copy when first used."""
 
 
 def arm(slots: List[torch.Tensor], flat: torch.Tensor) -> None:
     """Let a later cat/stack of ``slots`` return ``flat`` (call right after a rebind)."""
+    if not compat.can_prove_alias_free():
+        return  # this torch cannot show that nothing else holds the buffer: cat copies
     group = _Group(flat, slots)
     for slot in slots:
         slot.__dict__[_GROUP] = group
         slot.__class__ = ElidableSlot
+
+
+def watching() -> bool:
+    """Whether any given slot is alive (cheap: the hot path asks it on every call)."""
+    return bool(_given)
 
 
 def any_given(slots: Sequence[torch.Tensor]) -> bool:
@@ -89,20 +136,58 @@ def is_given(slot: torch.Tensor) -> bool:
     return id(slot) in _given
 
 
-def forget(slots: Sequence[torch.Tensor]) -> None:
-    """The slots no longer share memory with a handed-out result (rebound or copied)."""
+def release(slots: Sequence[torch.Tensor]) -> None:
+    """Given slots become plain without a copy: the caller is about to rebind them (no write into the result)."""
     if not _given:
         return
     for slot in slots:
-        _given.discard(id(slot))
-
-
-def detach(slots: Sequence[torch.Tensor]) -> None:
-    """Give slots that share a handed-out buffer memory of their own (a copy) before torch writes into them."""
-    for slot in slots:
-        if isinstance(slot, torch.Tensor) and id(slot) in _given:
-            slot.set_(slot.clone())  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
+        if id(slot) in _given:
             _given.discard(id(slot))
+            _make_plain(slot)
+
+
+def settle(values: Iterable[Any]) -> None:
+    """Make every watched slot among ``values`` plain before something else uses it.
+
+    Armed slots take their whole gather along (no elision any more); given
+    slots first get a private copy, so a write into them never reaches the result.
+    """
+    for value in values:
+        if type(value) is ElidableSlot:
+            disarm(value)
+        elif type(value) is GivenSlot:
+            _copy_out(value)
+
+
+def settle_list(tensor_list: Any) -> None:
+    """``settle`` the slots of an all_gather call, whatever the caller passed."""
+    if isinstance(tensor_list, (list, tuple)):
+        settle(tensor_list)
+
+
+def disarm(slot: torch.Tensor) -> None:
+    """Turn an armed slot (and the rest of its group) back into a plain tensor."""
+    group = slot.__dict__.get(_GROUP)
+    if group is not None:
+        group.disarm()
+    _make_plain(slot)
+
+
+def _copy_out(slot: torch.Tensor) -> None:
+    """Memory of its own for a given slot, same values, same version as before."""
+    with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+        version = slot._version
+        slot.set_(slot.clone())  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
+        compat.set_version(slot, version)
+    _given.discard(id(slot))
+    _make_plain(slot)
+
+
+def _is_metadata(func: Any) -> bool:
+    if func in _METADATA_METHODS:
+        return True
+    owner = getattr(func, "__self__", None)  # a property getter: Tensor.<name>.__get__
+    return getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", "") in _METADATA_PROPERTIES
 
 
 def _elide(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
@@ -115,22 +200,32 @@ def _elide_plain(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Opti
         return None
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if not isinstance(tensors, (list, tuple)) or not tensors or not isinstance(dim, int):
+    if not isinstance(tensors, (list, tuple)) or not tensors or type(dim) is not int:
         return None
-    group = getattr(tensors[0], "__dict__", {}).get(_GROUP)
-    if group is None or not group.live or [id(t) for t in tensors] != group.ids or not _in_place(group, tensors):
+    group = tensors[0].__dict__.get(_GROUP) if type(tensors[0]) is ElidableSlot else None
+    if group is None or not group.live or [id(t) for t in tensors] != group.ids:
         return None
     ndim = tensors[0].dim()
     if func is torch.stack:
         if dim not in (0, -(ndim + 1)):
             return None
-        result = group.flat.view(len(tensors), *tensors[0].shape)
-    else:
-        if ndim == 0 or dim not in (0, -ndim):  # torch.cat refuses 0-d tensors: let it say so
-            return None
-        result = group.flat
-    _hand_out(group, tensors)
-    return result
+    elif ndim == 0 or dim not in (0, -ndim):  # torch.cat refuses 0-d tensors: let it say so
+        return None
+    if not _invisible(group, tensors):
+        return None
+    return _hand_out(group, tensors, stacked=func is torch.stack)
+
+
+def _invisible(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether returning the buffer instead of torch.cat's copy can be told apart by anything at all."""
+    return (
+        _in_place(group, tensors)
+        and not any(t.requires_grad for t in tensors)  # torch.cat would record autograd history
+        and group.flat.is_inference() == torch.is_inference_mode_enabled()
+        and not compat.dispatch_mode_active()  # a dispatch mode would miss the aten::cat
+        and not compat.is_compiling()
+        and _alias_free(group, tensors)
+    )
 
 
 def _in_place(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
@@ -145,36 +240,32 @@ def _in_place(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def _hand_out(group: _Group, tensors: Sequence[torch.Tensor]) -> None:
+def _alias_free(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
+    """Nothing but memgather's buffer tensor and the slots holds the storage, and no C++ handle holds a slot."""
+    return compat.storage_holders(group.flat) == len(tensors) + 1 and all(
+        compat.held_only_by_python(t) for t in tensors
+    )
+
+
+def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> torch.Tensor:
+    flat = group.flat
+    if stacked:  # a tensor of its own over the buffer, as torch.stack's result is, not a view of flat
+        shape = (len(tensors), *tensors[0].shape)
+        result = flat.new_empty(0)
+        with torch.no_grad():
+            result.set_(flat.untyped_storage(), 0, shape, _slots.contiguous_strides(shape))  # type: ignore[call-overload]
+    else:
+        result = flat
+    compat.set_version(result, 0)  # a fresh result, as torch.cat's
     group.disarm()
     for slot in tensors:
+        slot.__class__ = GivenSlot
         _given.add(id(slot))
         weakref.finalize(slot, _given.discard, id(slot))
-    group.flat = None  # type: ignore[assignment]  # the caller owns it now
+    return result
 
 
-def _disarm_all(args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, ElidableSlot):
-            _disarm_group(value)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, ElidableSlot):
-                    _disarm_group(item)
-
-
-def disarm(slot: torch.Tensor) -> None:
-    """Turn an armed slot (and the rest of its group) back into a plain tensor."""
-    _disarm_group(slot)
-
-
-def _disarm_group(slot: torch.Tensor) -> None:
-    group = slot.__dict__.get(_GROUP)
-    if group is not None:
-        group.disarm()
-    _disarm(slot)
-
-
-def _disarm(slot: torch.Tensor) -> None:
+def _make_plain(slot: torch.Tensor) -> None:
     slot.__dict__.pop(_GROUP, None)
     slot.__class__ = torch.Tensor
+

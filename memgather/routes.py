@@ -124,7 +124,10 @@ def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, asyn
     primitive = compat.single_tensor_primitive().function
     assert primitive is not None  # core falls back (no_primitive) before any route runs
     source = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    return primitive(flat, source, group=group, async_op=async_op)
+    work = primitive(flat, source, group=group, async_op=async_op)
+    if not async_op:
+        compat.await_release([flat])
+    return work
 
 
 def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group: Any) -> None:
@@ -143,6 +146,7 @@ def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group
         destinations = [torch.view_as_real(d) for d in destinations]
     works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(destinations)]
     _wait_all(works)
+    compat.await_release(destinations)
 
 
 def _wait_all(works: list) -> None:

@@ -30,7 +30,7 @@ def region(slots: List[torch.Tensor]) -> torch.Tensor:
     """The flat tensor over the region that adjacent slots already tile."""
     first = slots[0]
     shape = flat_shape(first.shape, len(slots))
-    return first.as_strided(shape, _contiguous_strides(shape), first.storage_offset())
+    return first.as_strided(shape, contiguous_strides(shape), first.storage_offset())
 
 
 def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
@@ -58,8 +58,22 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
-def bump_versions(slots: List[torch.Tensor]) -> None:
-    """Mark the slots as written in place, as the original all_gather does."""
+def versions(slots: List[torch.Tensor]) -> List[int]:
+    """The slots' version counters, read before memgather touches them."""
+    return [slot._version for slot in slots]
+
+
+def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
+    """Leave each slot's version one past ``before``, as the original all_gather's one in-place write does.
+
+    memgather's own ``set_`` and copies bump the counters too; those are not
+    writes torch would make, so the counters are set rather than bumped where
+    torch allows it.
+    """
+    if compat.can_set_version():
+        for slot, version in zip(slots, before):
+            compat.set_version(slot, version + 1)
+        return
     for slot in slots:
         compat.increment_version(slot)
 
@@ -69,7 +83,8 @@ def _reallocate(slots: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype
         slot.set_(torch.empty(shape, dtype=dtype, device=device))  # type: ignore[call-overload]
 
 
-def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
     strides = []
     step = 1
     for size in reversed(shape):

@@ -62,6 +62,7 @@ class Reason(str, enum.Enum):
     INPUT_NOT_CONTIGUOUS = "input_not_contiguous"  # on a route that reads raw memory (NCCL)
     SLOT_NOT_CONTIGUOUS = "slot_not_contiguous"  # e.g. empty_like of a transposed input
     SLOTS_SHARED = "slots_shared"  # neither adjacent views nor sole owners
+    SLOT_MEMORY = "slot_memory"  # shared, pinned or foreign memory: a rebind would move it
     CANNOT_PROVE_EXCLUSIVE = "cannot_prove_exclusive"  # torch lacks a storage use count
     PEER_FALLBACK = "peer_fallback"  # another rank could not take the rewired path
     UNEVEN_RANKS = "uneven_ranks"  # ranks' inputs differ (check off: torch decides)
@@ -137,7 +138,7 @@ def _check_slot(slot: Any, tensor: torch.Tensor) -> Optional[Reason]:
     if type(slot) is not torch.Tensor:
         if type(slot) is elision.ElidableSlot:  # reused before being concatenated: plain again
             elision.disarm(slot)
-        else:
+        elif type(slot) is not elision.GivenSlot:  # given slots are plain tensors sharing a result's buffer
             return Reason.SLOT_SUBCLASS if isinstance(slot, torch.Tensor) else Reason.NOT_A_TENSOR
     if slot.dtype != tensor.dtype:
         return Reason.DTYPE_MISMATCH
@@ -187,6 +188,8 @@ def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
         # ranks could disagree on a permuted layout: contiguous slots only.
         if not slot.is_contiguous():
             return fallback(Reason.SLOT_NOT_CONTIGUOUS)
+        if not compat.default_private_memory(slot):
+            return fallback(Reason.SLOT_MEMORY)
         if slot is tensor:  # the only way an input can share a storage a slot holds alone
             return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
         if compat.holds_storage_alone(slot):
@@ -201,12 +204,12 @@ def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
     return REBIND
 
 
-# Rebinding needs proof that nothing else holds a slot's memory. Filling the slots
-# where they lie does not: torch's own all_gather writes there too, so a view someone
+# Rebinding needs proof that nothing else holds a slot's memory, and that the memory
+# means nothing where it is (SLOT_MEMORY). Filling the slots where they lie does not: torch's own all_gather writes there too, so a view someone
 # kept sees what it would see under torch. It needs only contiguous slots that do not
 # overlap one another, and an input that overlaps none of them, unless it is exactly
 # its own slot.
-_FILLABLE = (Reason.CANNOT_PROVE_EXCLUSIVE, Reason.SLOTS_SHARED)
+_FILLABLE = (Reason.CANNOT_PROVE_EXCLUSIVE, Reason.SLOTS_SHARED, Reason.SLOT_MEMORY)
 
 
 def fill_in_slots(tensor_list: list, tensor: torch.Tensor, rank: int, refused: Plan) -> Plan:
