@@ -41,6 +41,7 @@ def report() -> "tuple[List[str], bool]":
         verdict = targets.gate(target)
         state = "rewired" if verdict.allowed else "left to torch"
         lines.append(f"  {target.name:<13} {verdict.version or '-':<12} {state}: {verdict.reason}")
+    lines.extend(elision_lines(settings.elide if settings is not None else None))
     lines.append(f"environment: {settings}" if settings is not None else f"environment: INVALID: {invalid}")
     pth = find_pth()
     lines.append(f".pth: {pth or 'not installed (MEMGATHER=1 and memgather run cannot patch new processes)'}")
@@ -68,6 +69,23 @@ def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None
         "mpi": "every call stays with torch",
         "ucc": "every call stays with torch",
     }
+
+
+def elision_lines(elide: Optional[bool]) -> List[str]:
+    """Where cat elision is on: the setting, then each audited call site, its range and verdict here."""
+    from memgather import audits
+
+    if elide is None:
+        lines = ["cat elision (MEMGATHER_ELIDE unset): on only at audited call sites, in the releases read:"]
+    else:
+        where = "on for every rewired call" if elide else "off everywhere"
+        lines = [f"cat elision: {where} (MEMGATHER_ELIDE={int(elide)}); audited call sites:"]
+    for site in audits.AUDITED:
+        verdict = audits.covers(site)
+        state = ("on, " if verdict.allowed else "off, ") if elide is None else ""
+        lines.append(f"  {site.name}: {site.distribution} {site.versions} (read {', '.join(site.read)}): "
+                     f"{state}{verdict.reason}")
+    return lines
 
 
 def _size(nbytes: int) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch.distributed as dist
 import wrapt
 
-from memgather import callers, compat, config, core, report, scope
+from memgather import audits, callers, compat, config, core, elision, report, scope
 from memgather import targets as registry
 
 _log = logging.getLogger("memgather")
@@ -41,7 +41,7 @@ class _Active:
     selection: registry.Selection
     check: bool
     force: bool
-    elide: Optional[bool]  # None: audited targets only
+    elide: Optional[bool]  # None: audited call sites only
     verify: bool
 
 
@@ -73,8 +73,8 @@ def patch(
     (default ``MEMGATHER_CHECK``). ``force``: rewire targets whose installed
     version is outside the tested range (default ``MEMGATHER_FORCE``).
     ``elide``: let ``torch.cat`` of the gathered list return the gathered
-    buffer (default ``MEMGATHER_ELIDE``; unset: only for targets audited to
-    drop the list after concatenating). ``verify``: also run the original
+    buffer (default ``MEMGATHER_ELIDE``; unset: only for call sites audited
+    to drop the list after concatenating). ``verify``: also run the original
     all_gather for every rewired call and raise ``VerifyError`` where the
     results differ, for test runs (default ``MEMGATHER_VERIFY``). Idempotent and thread-safe; calling
     it again replaces the settings. Also exports the settings to the
@@ -103,6 +103,7 @@ def patch(
         previous = config.export(True, selection.names, active.check, active.force, active.elide, active.verify)
         if _exported is None:
             _exported = dict(previous)
+        core.configure()  # direct calls and the gloo threshold follow what this patch() was given
         _hook_targets(selection)
         report.install(settings.report)
     _log.info("memgather patched all_gather for %s", ", ".join(selection.names) or "no targets")
@@ -131,6 +132,7 @@ def unpatch() -> bool:
         if _exported is not None:
             config.restore(_exported)
             _exported = None
+        core.configure()
     return True
 
 
@@ -149,18 +151,22 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             known = _decide(frame, active)
         if known[1]:
             return core.all_gather(*args, check=active.check, elide=known[2], verify=active.verify, **kwargs)
+    if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
+        elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)
 
 
 def _decide(frame: Any, active: _Active) -> Tuple[CodeType, bool, bool]:
     report.remember_rank()
-    module, direct = callers.calling_module(frame)
+    caller, direct = callers.calling_frame(frame)
+    module = callers.module_of(caller) if caller is not None else ""
     target = active.selection.match(module) if module else None
     act = elide = False
     if target is not None:
         verdict = registry.gate(target, active.force)
         act = verdict.allowed
-        elide = target.elide_audited if active.elide is None else active.elide
+        # Unset: only functions read and found to drop the list, in the releases read.
+        elide = (act and audits.elides_by_default(caller)) if active.elide is None else active.elide
         _announce(target, verdict)
     decision = (frame.f_code, act, elide)
     if direct:

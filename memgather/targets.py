@@ -29,15 +29,15 @@ class Target:
     ``prefixes``: module names whose calls are rewired (a module matches a prefix
     it equals or lies below). ``distribution``/``versions``: the installed
     distribution and the PEP 440 range it must satisfy (prereleases allowed);
-    None/"" for no gate. ``elide_audited``: its code drops the gathered list
-    right after concatenating it (cat elision may be on by default).
+    None/"" for no gate. ``note``: what its gather code does with the slots.
+    Whether cat elision is on by default is decided per call site, not per
+    target (``memgather.audits``).
     """
 
     name: str
     prefixes: Tuple[str, ...]
     distribution: Optional[str] = None
     versions: str = ""
-    elide_audited: bool = False
     note: str = ""
     family: str = ""  # selecting the family name selects every member
 
@@ -47,27 +47,27 @@ class Target:
 
 
 BUILTIN: Tuple[Target, ...] = (
-    Target("accelerate", ("accelerate",), "accelerate", ">=0.20,<2", True,
+    Target("accelerate", ("accelerate",), "accelerate", ">=0.20,<2",
            "gather(): empty_like slots + torch.cat (every release before 0.24.0, and on gloo/CPU after); "
            "clone() slots before 0.20.0"),
-    Target("deepspeed", ("deepspeed",), "deepspeed", ">=0.9,<1", False,
+    Target("deepspeed", ("deepspeed",), "deepspeed", ">=0.9,<1",
            "ZeRO <= 0.12.3: adjacent views of a flat buffer, input in its own slot (direct); later list calls "
            "in sequence parallel / MoE / Muon may repeat one padding tensor (left to torch)"),
-    Target("transformers", ("transformers",), "transformers", ">=4.0,<6", True,
+    Target("transformers", ("transformers",), "transformers", ">=4.0,<6",
            "trainer_pt_utils.distributed_concat: clone() slots + torch.cat, list dropped"),
-    Target("torchmetrics", ("torchmetrics",), "torchmetrics", ">=0.11,<2", False,
+    Target("torchmetrics", ("torchmetrics",), "torchmetrics", ">=0.11,<2",
            "gather_all_tensors: zeros_like slots kept as a list; gathered[rank] = local afterwards"),
     # One family, three distributions released in step: each caller is gated by its own.
-    Target("lightning", ("lightning",), "lightning", ">=2.0,<3", False,
+    Target("lightning", ("lightning",), "lightning", ">=2.0,<3",
            "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
-    Target("lightning_fabric", ("lightning_fabric",), "lightning_fabric", ">=2.0,<3", False,
+    Target("lightning_fabric", ("lightning_fabric",), "lightning_fabric", ">=2.0,<3",
            "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
-    Target("pytorch_lightning", ("pytorch_lightning",), "pytorch_lightning", ">=2.0,<3", False,
+    Target("pytorch_lightning", ("pytorch_lightning",), "pytorch_lightning", ">=2.0,<3",
            "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
-    Target("open_clip", ("open_clip",), "open_clip_torch", ">=2.0,<4", False,
+    Target("open_clip", ("open_clip",), "open_clip_torch", ">=2.0,<4",
            "gather_features: zeros_like slots, gathered[rank] = local, then torch.cat"),
-    Target("fairseq", ("fairseq",), "fairseq", ">=0.10,<1", False, "all_gather_list / distributed_utils: slots kept"),
-    Target("mmengine", ("mmengine",), "mmengine", ">=0.7,<1", False, "dist.all_gather: slots kept as a list"),
+    Target("fairseq", ("fairseq",), "fairseq", ">=0.10,<1", "all_gather_list / distributed_utils: slots kept"),
+    Target("mmengine", ("mmengine",), "mmengine", ">=0.7,<1", "dist.all_gather: slots kept as a list"),
 )
 
 _BY_NAME: Dict[str, Tuple[Target, ...]] = {}
@@ -150,20 +150,27 @@ def gate(target: Target, force: bool = False) -> Verdict:
     """Check ``target``'s installed version against its range (cached)."""
     if target.distribution is None:
         return Verdict(True, None, "no version gate")
-    try:
-        installed = metadata.version(target.distribution)
-    except metadata.PackageNotFoundError:
-        return _forced(force, Verdict(False, None, f"distribution {target.distribution!r} is not installed"))
-    try:
-        inside = SpecifierSet(target.versions).contains(Version(installed), prereleases=True)
-    except (InvalidVersion, InvalidSpecifier) as error:
-        return _forced(force, Verdict(False, installed, f"cannot compare version {installed!r}: {error}"))
-    if inside:
-        return Verdict(True, installed, f"{target.distribution} {installed} is inside {target.versions or 'any'}")
-    return _forced(force, Verdict(False, installed, f"{target.distribution} {installed} is outside the tested range {target.versions}"))
-
-
-def _forced(force: bool, verdict: Verdict) -> Verdict:
-    if not force:
+    verdict = release_verdict(target.distribution, target.versions, "tested range")
+    if verdict.allowed or not force:
         return verdict
     return Verdict(True, verdict.version, f"{verdict.reason}; forced")
+
+
+def release_verdict(distribution: str, versions: str, what: str) -> Verdict:
+    """Whether the installed release of ``distribution`` lies in ``versions``.
+
+    Read from distribution metadata, never by importing it; prereleases count
+    (NGC and nightly builds are prereleases). ``what`` names the range in the
+    reason ("tested range"). Not cached: callers cache their verdicts.
+    """
+    try:
+        installed = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return Verdict(False, None, f"distribution {distribution!r} is not installed")
+    try:
+        inside = SpecifierSet(versions).contains(Version(installed), prereleases=True)
+    except (InvalidVersion, InvalidSpecifier) as error:
+        return Verdict(False, installed, f"cannot compare version {installed!r}: {error}")
+    if inside:
+        return Verdict(True, installed, f"{distribution} {installed} is inside {versions or 'any'}")
+    return Verdict(False, installed, f"{distribution} {installed} is outside the {what} {versions}")

@@ -14,11 +14,10 @@ import torch.distributed as dist
 import wrapt
 
 import memgather
-from memgather import patcher
-from tests import jobs
+from memgather import compat, patcher
 from tests.conftest import EAGER, unwrap
 from tests.ranks import scoped_calls
-from tests.releases import requires_fake_backend
+from tests.sites.audited_calls import elided_sites
 
 ORIGINAL = dist.distributed_c10d.all_gather
 # all_gather_object gathers sizes, then bytes: through distributed_c10d.all_gather up to
@@ -146,48 +145,37 @@ def test_targets_argument_must_be_a_list() -> None:
     assert not memgather.is_patched()
 
 
-ELIDE_SCRIPT = '''
-import json, sys, types, warnings
-warnings.simplefilter("ignore")
-site = sys.argv[1]
-sys.path.insert(0, site)
-import torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-import memgather
-from memgather.elision import ElidableSlot
-
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-CODE = "import torch, torch.distributed as dist\\ndef gather(t):\\n    s = [torch.empty_like(t) for _ in range(2)]\\n    dist.all_gather(s, t)\\n    return s\\n"
-
-def site_module(name):
-    module = types.ModuleType(name)
-    exec(compile(CODE, name.replace(".", "/") + ".py", "exec"), module.__dict__)
-    sys.modules[name] = module
-    return module
-
-audited, unaudited = site_module("transformers.mg_site"), site_module("mmengine.mg_site")
-memgather.patch(elide=json.loads(sys.argv[2]))
-print(json.dumps([type(m.gather(torch.ones(3))[0]) is ElidableSlot for m in (audited, unaudited)]))
-'''
-
-
-@requires_fake_backend
-@pytest.mark.parametrize(
-    "elide_argument,environment,expected",
-    [("null", {}, [True, False]), ("null", {"MEMGATHER_ELIDE": "0"}, [False, False]),
-     ("true", {}, [True, True]), ("null", {"MEMGATHER_ELIDE": "1"}, [True, True]), ("false", {}, [False, False])],
-    ids=["audited-only", "env-off", "patch-on", "env-on", "patch-off"],
-)
-def test_elision_defaults_to_audited_targets(tmp_path: Any, elide_argument: str, environment: Any, expected: Any) -> None:
-    """Built-in targets found through real distribution metadata: transformers is audited, mmengine is not."""
-    import json
-    import subprocess
-
-    for name, version in (("transformers", "4.40.0"), ("mmengine", "0.10.0")):
-        info = tmp_path / f"{name}-{version}.dist-info"
+def _releases(directory: Any, **versions: str) -> str:
+    """A site directory holding real .dist-info metadata of these releases."""
+    directory.mkdir()
+    for name, version in versions.items():
+        info = directory / f"{name}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    done = subprocess.run([sys.executable, "-c", ELIDE_SCRIPT, str(tmp_path), elide_argument],
-                          capture_output=True, text=True, env=jobs.environment(**environment), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+    return str(directory)
+
+
+SITES = ("audited", "same_name_elsewhere", "other_function", "audited_transformers", "other_transformers",
+         "user_target")
+AUDITED = {"audited", "audited_transformers"}
+# (patch(elide=...), MEMGATHER_ELIDE): the user's setting, where there is one, wins both ways.
+SETTINGS = {"unset": (None, None), "patch-on": (True, None), "env-on": (None, "1"), "patch-off": (False, None),
+            "env-off": (None, "0"), "patch-off-over-env-on": (False, "1")}
+
+
+@pytest.mark.skipif(not compat.can_prove_exclusive(), reason="no storage use count: no rebind, nothing to elide")
+@pytest.mark.parametrize("release", ["read", "later"])
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_elision_defaults_to_audited_call_sites(pools: Any, tmp_path: Any, release: str, setting: str) -> None:
+    """Stand-ins for accelerate's and transformers' modules, real frames and real metadata: by default
+    only the audited functions elide, and only in a release the audit read (accelerate 1.15.0 and
+    transformers 5.24.0; 1.16.0 and 5.25.0 are later, still inside the targets' version gates)."""
+    versions = {"read": {"accelerate": "1.15.0", "transformers": "5.24.0"},
+                "later": {"accelerate": "1.16.0", "transformers": "5.25.0"}}[release]
+    elide, env_elide = SETTINGS[setting]
+    chosen = elide if elide is not None else (None if env_elide is None else env_elide == "1")
+    expected = {site: (site in AUDITED and release == "read") if chosen is None else chosen for site in SITES}
+    metadata_dir = _releases(tmp_path / release, **versions)
+    for result in unwrap(pools(2, **EAGER).run(elided_sites, metadata_dir, elide, env_elide)):
+        assert {site: result[site]["armed"] for site in SITES} == expected
+        assert all(result[site]["rewired"] == 1 and result[site]["correct"] for site in SITES), result
