@@ -12,23 +12,15 @@ Two routes exist:
   It is a different wire protocol, so every rank must take it or none: the
   caller agrees with the other ranks first (see ``agreement``).
 
-Gloo threshold. Median time per gather on this project's 2-core CPU machine
-(torch 2.13, gloo, world 2; "broadcast" includes the agreement round):
-
-    per rank     single    broadcast
-    4 KiB        0.23 ms   0.41 ms
-    256 KiB      0.29 ms   0.50 ms
-    1 MiB        0.75 ms   0.94 ms
-    4 MiB        3.60 ms   2.48 ms
-    16 MiB      30.5 ms   11.6 ms
-    64 MiB     110 ms     38.6 ms
-
-World 4 crosses over between 1 and 4 MiB as well. Broadcasts are taken from
-2 MiB per rank, where they are no slower and save the gathered size in memory.
-Below it memgather leaves gloo calls to torch: gloo stages the single call
-through a temporary just as it does the list call, so rewiring would save
-nothing and only add its own microseconds (``MEMGATHER_GLOO_MIN_BYTES``
-moves the threshold; 0 rewires every gloo call).
+Gloo threshold. Broadcasts are taken from 2 MiB per rank; they save the
+gathered size in memory. ``memgather bench --routes`` (``--world-size 4``
+for four ranks; ``memgather.route_times``) prints the median time per gather
+of each route at each size ("broadcast" includes the agreement round) and
+the size from which broadcast is faster. Below it memgather leaves gloo
+calls to torch: gloo stages the single call through a temporary just as it
+does the list call, so rewiring would save nothing and only add its own
+microseconds (``MEMGATHER_GLOO_MIN_BYTES`` moves the threshold; 0 rewires
+every gloo call).
 """
 
 from __future__ import annotations
@@ -142,11 +134,14 @@ def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group
     if own.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         own.copy_(tensor)
     ranks = _global_ranks(group, len(destinations))
-    if own.is_complex():  # as torch's all_gather sends them: gloo on torch 2.0.1 refuses complex dtypes
-        destinations = [torch.view_as_real(d) for d in destinations]
-    works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(destinations)]
+    # Aliases that only memgather holds, so that waiting for gloo to let go of them
+    # never waits on a hold of the caller's. Complex ones are sent as real views, as
+    # torch's all_gather sends them: gloo on torch 2.0.1 refuses complex dtypes.
+    sent = [torch.view_as_real(d) if d.is_complex() else d.detach() for d in destinations]
+    works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(sent)]
     _wait_all(works)
-    compat.await_release(destinations)
+    del works  # memgather's own hold on the outputs
+    compat.await_release(sent)
 
 
 def _wait_all(works: list) -> None:

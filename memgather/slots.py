@@ -30,7 +30,11 @@ def region(slots: List[torch.Tensor]) -> torch.Tensor:
     """The flat tensor over the region that adjacent slots already tile."""
     first = slots[0]
     shape = flat_shape(first.shape, len(slots))
-    return first.as_strided(shape, contiguous_strides(shape), first.storage_offset())
+    # Not a view of the first slot: a view would share its version counter, and an
+    # async collective's write would bump it after memgather has set it as torch leaves it.
+    region = first.new_empty(0)
+    region.set_(first.untyped_storage(), first.storage_offset(), shape, contiguous_strides(shape))  # type: ignore[call-overload]
+    return region
 
 
 def rebind(slots: List[torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import memgather
 from memgather import compat, rss
+from memgather.elision import GivenSlot
 
 _groups: Dict[Tuple[int, ...], Any] = {}
 
@@ -69,7 +70,9 @@ def as_bytes(t: torch.Tensor) -> bytes:
     """The tensor's values as raw bytes (NaN payloads and -0.0 included)."""
     if t.device.type == "meta":  # no bytes to read: shape and dtype are all there is
         return repr((tuple(t.shape), t.dtype)).encode()
-    flat = t.detach().contiguous().reshape(-1)
+    # A copy: exporting the tensor's own storage to numpy would mark it not resizable,
+    # which memgather reads as "this memory means something where it is".
+    flat = t.detach().reshape(-1).clone()
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
@@ -499,6 +502,7 @@ def elision_cases(ctx: Any) -> Dict[str, Any]:
             "zero_copy": got.data_ptr() == base,
             "plain_result": type(got) is torch.Tensor,
             "slots_plain": all(type(s) is torch.Tensor for s in slots),
+            "slots_given": all(type(s) is GivenSlot for s in slots),
         }
 
     record("cat", lambda s: torch.cat(s), lambda w: torch.cat(w))
@@ -633,8 +637,11 @@ def buffers_freed_without_gc(ctx: Any, numel: int, elide: bool) -> Dict[str, Any
         memgather.reset_stats()
         memgather.all_gather(slots, t, elide=elide)
         result = torch.cat(slots)
-        probe = weakref.ref(slots[0].untyped_storage())  # after the cat: taking it before would disarm the slots
-        shares = result.untyped_storage().data_ptr() == slots[0].untyped_storage().data_ptr()
+        # After the cat (taking it before would disarm the slots), and without setting off a
+        # given slot's copy-on-use: the probe is the storage the gather wrote into.
+        with torch._C.DisableTorchFunctionSubclass():
+            probe = weakref.ref(slots[0].untyped_storage())
+            shares = result.untyped_storage().data_ptr() == slots[0].untyped_storage().data_ptr()
         del slots
         alive_with_result = probe() is not None
         del result
@@ -842,3 +849,60 @@ def gloo_single_tensor_call(ctx: Any) -> Dict[str, Any]:
     except RuntimeError as error:
         return {"works": False, "message": str(error)}
     return {"works": True, "correct": torch.equal(out, torch.cat([_filled(r) for r in range(ctx.world)]))}
+
+
+# --- Slots whose memory a rebind would move away (Reason.SLOT_MEMORY) ---
+
+def _shared_memory_slots(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    """Fresh slots, one moved to shared memory (``share_memory_()``, as DataLoader workers' tensors are)."""
+    slots = [torch.zeros(3) for _ in range(world)]
+    slots[0].share_memory_()
+    return slots, _filled(rank), None
+
+
+def _numpy_slots(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    """Fresh slots, the last over a NumPy array's memory; the keepalive, a second tensor over
+    that array, shows whether the gathered bytes landed there, as they do under torch."""
+    import numpy
+
+    array = numpy.zeros(3, dtype=numpy.float32)
+    slots = [torch.zeros(3) for _ in range(world - 1)] + [torch.from_numpy(array)]
+    return slots, _filled(rank), torch.from_numpy(array)
+
+
+# name -> builder(rank, world), as BAD_INPUTS: fresh slots that each hold their storage
+# alone, so memgather would rebind them, but whose memory is not the default allocator's.
+SLOT_MEMORY_INPUTS: Dict[str, Any] = {
+    "shared_memory_slot": _shared_memory_slots,
+    "numpy_slot": _numpy_slots,
+}
+
+
+def compare_slot_memory(ctx: Any, name: str, async_op: bool = False) -> Dict[str, Any]:
+    """Torch's outcome and memgather's for one SLOT_MEMORY_INPUTS case, elision on.
+
+    Elision on, so that gloo's broadcast route tries a rebind too (without a cat to
+    elide, it fills fresh slots where they lie and never asks). ``async_op``: gloo's
+    single-tensor route, where fresh slots can only be rebound or left to torch.
+    """
+    from functools import partial
+
+    build = SLOT_MEMORY_INPUTS[name]
+    want = _memory_outcome(_waited(dist.all_gather, async_op), build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _memory_outcome(_waited(partial(memgather.all_gather, elide=True), async_op), build, ctx.rank, ctx.world)
+    snapshot = memgather.stats()
+    return {"want": want, "got": got, "fallbacks": dict(snapshot.fallbacks), "strategy": dict(snapshot.by_strategy)}
+
+
+def _memory_outcome(fn: Any, build: Any, rank: int, world: int) -> Tuple[Any, ...]:
+    """``_outcome``, plus which slots are still in shared memory afterwards (a rebind moves a slot out)."""
+    built: List[List[torch.Tensor]] = []
+
+    def keep_slots(r: int, w: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+        slots, given, keep = build(r, w)
+        built.append(slots)
+        return slots, given, keep
+
+    outcome = _outcome(fn, keep_slots, rank, world)
+    return (*outcome, [slot.is_shared() for slot in built[0]])

@@ -25,8 +25,10 @@ def cases(pools: Any) -> Any:
 def test_same_values_as_torch_and_zero_copy_only_where_exact(cases: Any, name: str) -> None:
     for result in cases:
         got = result[name]
-        assert got["equal"] and got["plain_result"] and got["slots_plain"], got
+        assert got["equal"] and got["plain_result"], got
         assert got["zero_copy"] is (name in ELIDED), got
+        # Slots sharing the handed-out buffer are watched (copied when next used); the others are plain.
+        assert got["slots_given"] if name in ELIDED else got["slots_plain"], got
 
 
 def test_cat_of_scalars_raises_what_torch_raises(cases: Any) -> None:

@@ -3,6 +3,11 @@
 Each case runs torch's all_gather and memgather's on real gloo ranks with the
 same arguments: both must raise the same exception type, or both succeed with
 the same bytes, and memgather must report the expected reason.
+
+``REACHES`` holds, for every ``Reason``, one real input that reaches it, and
+``test_every_reason_is_reached`` runs each and asserts that memgather's counter
+for that reason moved in the processes that ran it: a reason no input reaches
+fails by name, and each case stands alone, so any subset of tests can run.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import json
 import subprocess
 import sys
 import textwrap
-from typing import Any
+from collections import Counter
+from functools import partial
+from typing import Any, Callable, Dict, Iterable
 
 import pytest
 import torch
@@ -20,8 +27,16 @@ import torch.distributed as dist
 import memgather
 from memgather import Reason, compat
 from tests.conftest import EAGER, unwrap
-from tests.ranks import BAD_INPUTS, compare_bad_input, compare_mixed_dtypes, compare_peer_dependent
-from tests.releases import requires_fake_backend
+from tests.ranks import (
+    BAD_INPUTS,
+    SLOT_MEMORY_INPUTS,
+    compare_bad_input,
+    compare_mixed_dtypes,
+    compare_peer_dependent,
+    compare_slot_memory,
+    differential,
+)
+from tests.releases import EMPTY_KILLS_GLOO, gloo_gathers_empty_tensors, requires_fake_backend
 
 EXPECTED_REASON = {
     "not_a_list": "not_a_list",
@@ -61,6 +76,11 @@ if not compat.can_prove_exclusive():
     # input (its own fresh slot) rules out is never tried: the slots are filled where they lie.
     FILLED_IN_SLOTS.add("input_is_own_fresh_slot")
 
+# Where torch has no storage use count, no rebind is ever tried: the questions a rebind
+# asks (is the storage shared? is its memory the allocator's?) are never reached.
+NO_REBIND = ("torch {} has no storage use count (README, 'Torch releases'): no rebind is tried, "
+             "so memgather never asks this").format(torch.__version__)
+
 
 def test_every_bad_input_has_an_expected_reason() -> None:
     assert set(EXPECTED_REASON) == set(BAD_INPUTS)
@@ -77,6 +97,21 @@ def test_bad_input_same_outcome_as_torch(pools: Any, name: str) -> None:
             assert result["fallbacks"] == {EXPECTED_REASON[name]: 1}, f"rank {rank}: {result['fallbacks']}"
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["broadcast", "single"])
+@pytest.mark.parametrize("name", sorted(SLOT_MEMORY_INPUTS))
+def test_slot_memory_is_never_moved(pools: Any, name: str, async_op: bool) -> None:
+    """Fresh slots in shared or foreign memory, elision on (so memgather would rebind them):
+    torch's outcome, the slots still in that memory (compared in the outcome), never rebound.
+    The single route cannot fill slots where they lie: there the call is left to torch."""
+    if async_op and not compat.gloo_has_single_tensor():
+        pytest.skip("this torch's gloo has no single-tensor call: async calls stay with torch (backend)")
+    for rank, result in enumerate(unwrap(pools(2, **EAGER).run(compare_slot_memory, name, async_op))):
+        assert result["got"] == result["want"], f"rank {rank}: torch {result['want']}, memgather {result['got']}"
+        assert "rebind" not in result["strategy"], f"rank {rank}: {result}"
+        if async_op and compat.can_prove_exclusive():
+            assert result["fallbacks"] == {"slot_memory": 1}, f"rank {rank}: {result}"
+
+
 def test_single_route_mixed_decisions_meet_on_the_wire(pools: Any) -> None:
     """Rank 0 rewires (async: the single-tensor call), rank 1 falls back (torch's list call):
     both still meet on the wire and give torch's bytes."""
@@ -90,22 +125,112 @@ def test_single_route_mixed_decisions_meet_on_the_wire(pools: Any) -> None:
         assert result["got"] == result["want"]
 
 
+def _one_strided_rank(pools: Any) -> list:
+    """Rank 1 has a strided slot on gloo's broadcast route, rank 0 fresh ones."""
+    return unwrap(pools(2).run(compare_peer_dependent, BIG, 1, False, "strided"))
+
+
 def test_large_gather_falls_back_on_every_rank_when_one_must(pools: Any) -> None:
     """The broadcast route is a different protocol: one rank's fallback takes all ranks along."""
-    first, second = unwrap(pools(2).run(compare_peer_dependent, BIG, 1, False, "strided"))
+    first, second = _one_strided_rank(pools)
     assert first["fallbacks"] == {"peer_fallback": 1}
     assert second["fallbacks"] == {"slot_not_contiguous": 1}
     for result in (first, second):
         assert result["got"] == result["want"]
 
 
+def _dtypes_disagree(pools: Any) -> list:
+    """Rank 0 passes float32, rank 1 int32 of the same byte count, check off."""
+    return unwrap(pools(2).run(compare_mixed_dtypes, BIG, False))
+
+
 def test_ranks_disagreeing_on_dtype_fall_back_without_check(pools: Any) -> None:
-    for result in unwrap(pools(2).run(compare_mixed_dtypes, BIG, False)):
+    for result in _dtypes_disagree(pools):
         assert result["fallbacks"] == {"uneven_ranks": 1}
         assert result["got"] == result["want"]
 
 
-def test_not_initialized_raises_what_torch_raises() -> None:
+# --- One real input per reason -------------------------------------------------------
+# Each function below runs its input through torch's all_gather and memgather's, asserts
+# that both ended alike, and returns memgather's fallback counts (summed over every process
+# that ran it). A release that cannot run an input skips it, saying why.
+
+def _counted(results: Iterable[Dict[str, Any]]) -> Counter:
+    """Every rank's fallback counts, added up."""
+    total: Counter = Counter()
+    for result in results:
+        total.update(result["fallbacks"])
+    return total
+
+
+def _same_outcome(results: list) -> Counter:
+    """Assert each rank ended as torch did; its fallback counts, summed."""
+    for rank, result in enumerate(results):
+        assert result["got"] == result["want"], f"rank {rank}: torch {result['want']}, memgather {result['got']}"
+    return _counted(results)
+
+
+def _bad_input(name: str, pools: Any) -> Counter:
+    """One BAD_INPUTS case on ranks that rewire every gloo call (EAGER)."""
+    return _same_outcome(unwrap(pools(2, **EAGER).run(compare_bad_input, name)))
+
+
+def _one_call(env: Dict[str, str], pools: Any, **case: Any) -> Counter:
+    """One well-formed call (tests.ranks.differential): torch's bytes, the caller's tensor objects kept."""
+    full = {"dtype": "float32", "shape": (3,), "layout": "contiguous", "slots": "zeros_like",
+            "async": False, "group": None, "seed": 0, **case}
+    results = [rows[0] for rows in unwrap(pools(2, **env).run(differential, [full]))]
+    for rank, result in enumerate(results):
+        assert result["raised"] == [None, None], f"rank {rank}: {result}"
+        assert result["equal"] and result["identity_kept"], f"rank {rank}: {result}"
+    return _counted(results)
+
+
+def _not_in_group(pools: Any) -> Counter:
+    """Rank 0 is outside the subgroup (1,): torch warns and returns None, its slots untouched."""
+    return _one_call(EAGER, pools, group=(1,))
+
+
+def _below_threshold(pools: Any) -> Counter:
+    """12 bytes per rank at the default threshold (2 MiB per rank)."""
+    return _one_call({}, pools)
+
+
+def _empty(pools: Any) -> Counter:
+    """Zero elements, every gloo call rewired."""
+    if not gloo_gathers_empty_tensors():
+        pytest.skip(EMPTY_KILLS_GLOO)
+    return _one_call(EAGER, pools, shape=(0,))
+
+
+def _slots_shared(pools: Any) -> Counter:
+    """Slots that overlap one another: neither adjacent views nor sole owners."""
+    if not compat.can_prove_exclusive():
+        pytest.skip(NO_REBIND)
+    return _bad_input("overlapping_slots", pools)
+
+
+def _slot_memory(pools: Any) -> Counter:
+    """A fresh slot moved to shared memory, on gloo's single-tensor route (async), elision on:
+    the rebind it would take is refused. (On the broadcast route such slots are filled
+    where they lie instead, which leaves their memory where it is: nothing is counted.)"""
+    if not compat.can_prove_exclusive():
+        pytest.skip(NO_REBIND)
+    if not compat.gloo_has_single_tensor():
+        pytest.skip("this torch's gloo has no single-tensor call: async calls stay with torch (backend)")
+    return _same_outcome(unwrap(pools(2, **EAGER).run(compare_slot_memory, "shared_memory_slot", True)))
+
+
+def _peer_fallback(pools: Any) -> Counter:
+    return _same_outcome(_one_strided_rank(pools))
+
+
+def _uneven_ranks(pools: Any) -> Counter:
+    return _same_outcome(_dtypes_disagree(pools))
+
+
+def _not_initialized(pools: Any) -> Counter:
+    """No process group in this (the test) process: memgather raises what torch raises."""
     assert not dist.is_initialized()
     with pytest.raises(Exception) as torch_error:  # ValueError on torch 2.13, RuntimeError on 2.0.1
         dist.all_gather([torch.empty(3)], torch.ones(3))
@@ -113,7 +238,7 @@ def test_not_initialized_raises_what_torch_raises() -> None:
     with pytest.raises(torch_error.type) as ours:
         memgather.all_gather([torch.empty(3)], torch.ones(3))
     assert str(ours.value) == str(torch_error.value)
-    assert dict(memgather.stats().fallbacks) == {"not_initialized": 1}
+    return Counter(memgather.stats().fallbacks)
 
 
 def _run_script(body: str) -> Any:
@@ -133,10 +258,17 @@ def _run_script(body: str) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@requires_fake_backend
-def test_coalescing_manager_is_left_to_torch() -> None:
-    # gloo refuses coalescing outright; torch's no-op "fake" backend queues ops.
-    got = _run_script(
+def _skip_without_fake_backend() -> None:
+    """The skip of ``requires_fake_backend``, for a function that is not itself a test."""
+    if requires_fake_backend.args[0]:
+        pytest.skip(requires_fake_backend.kwargs["reason"])
+
+
+def _coalescing(pools: Any) -> Counter:
+    """Inside _coalescing_manager: left to torch, which queues the op.
+    gloo refuses coalescing outright; torch's no-op "fake" backend queues ops."""
+    _skip_without_fake_backend()
+    return Counter(_run_script(
         """
         import memgather
         from torch.distributed.distributed_c10d import _coalescing_manager
@@ -146,13 +278,13 @@ def test_coalescing_manager_is_left_to_torch() -> None:
             memgather.all_gather([torch.empty(3) for _ in range(2)], torch.ones(3))
         print(json.dumps(dict(memgather.stats().fallbacks)))
         """
-    )
-    assert got == {"coalescing": 1}
+    ))
 
 
-@requires_fake_backend
-def test_compiled_function_is_left_to_torch() -> None:
-    got = _run_script(
+def _compiling(pools: Any) -> Counter:
+    """A function compiled with torch.compile: left to torch (Dynamo maps the call itself)."""
+    _skip_without_fake_backend()
+    return Counter(_run_script(
         """
         import memgather
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -164,13 +296,15 @@ def test_compiled_function_is_left_to_torch() -> None:
         torch.compile(f, backend="eager")(torch.ones(3))
         print(json.dumps(dict(memgather.stats().fallbacks)))
         """
-    )
-    assert got == {"compiling": 1}
+    ))
 
 
-def test_torch_without_single_tensor_primitive() -> None:
-    # torch < 1.9 lacks all three primitives and does not install on Python >= 3.9;
-    # removing them from this torch reaches the same code path.
+def _no_primitive(pools: Any) -> Counter:
+    """A torch without any single-tensor all-gather: torch's list call gathers, memgather says why.
+
+    torch < 1.9 lacks all three primitives and does not install on Python >= 3.9;
+    removing them from this torch reaches the same code path.
+    """
     got = _run_script(
         """
         for name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
@@ -185,16 +319,23 @@ def test_torch_without_single_tensor_primitive() -> None:
                           "reason": memgather.primitive().reason, "data": slots[0].tolist()}))
         """
     )
-    assert got["fallbacks"] == {"no_primitive": 1}
     assert "has none of" in got["reason"]
     assert got["data"] == [0.0, 1.0, 2.0]
+    return Counter(got["fallbacks"])
 
 
-@requires_fake_backend
-def test_torch_without_storage_use_count() -> None:
-    # torch 2.0.1 has no _storage_Use_Count (DESIGN.md); removing it reaches that path.
-    # The "fake" backend gives a group of 2 in one process, so fresh slots need a rebind.
-    got = _run_script(
+def _cannot_prove_exclusive(pools: Any) -> Counter:
+    """Fresh slots that would need a rebind, on a torch without the storage use count.
+
+    torch 1.13.1 and 2.0.1 have no torch._C._storage_Use_Count (README, "Torch
+    releases"): there overlapping slots reach it on real gloo ranks. Where torch has
+    it, removing it reaches the same path; the "fake" backend gives a group of 2 in
+    one process, so fresh slots need a rebind (its route has no fill in place).
+    """
+    if not compat.can_prove_exclusive():
+        return _bad_input("overlapping_slots", pools)
+    _skip_without_fake_backend()
+    return Counter(_run_script(
         """
         del torch._C._storage_Use_Count
         import memgather
@@ -203,16 +344,77 @@ def test_torch_without_storage_use_count() -> None:
         memgather.all_gather([torch.empty(3) for _ in range(2)], torch.arange(3.0))
         print(json.dumps(dict(memgather.stats().fallbacks)))
         """
+    ))
+
+
+def _input_not_contiguous(pools: Any) -> Counter:
+    """A transposed input on NCCL (the route that reads the input as raw memory), world 1.
+
+    Only NCCL's route requires a contiguous input, so without a CUDA device this
+    reason cannot be reached; test_routes.py checks the route table instead.
+    """
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        pytest.skip("input_not_contiguous is reachable only on NCCL with a CUDA device")
+    got = _run_script(
+        """
+        import tempfile
+        import memgather
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        given = torch.arange(6.0, device="cuda").view(2, 3).t()  # a transposed view: not contiguous
+        def outcome(gather):
+            slots = [torch.zeros(3, 2, device="cuda")]
+            try:
+                gather(slots, given)
+            except Exception as error:  # torch's NCCL may refuse a non-contiguous input: so must memgather
+                return ["raise", type(error).__name__]
+            torch.cuda.synchronize()
+            return ["ok", slots[0].tolist()]
+        want = outcome(dist.all_gather)
+        memgather.reset_stats()
+        got = outcome(memgather.all_gather)
+        print(json.dumps({"fallbacks": dict(memgather.stats().fallbacks), "same": got == want}))
+        """
     )
-    assert got == {"cannot_prove_exclusive": 1}
+    assert got["same"], got
+    return Counter(got["fallbacks"])
 
 
-def test_every_reason_is_reached_somewhere() -> None:
-    """The reasons this file and test_differential.py assert cover the whole enum."""
-    covered = set(EXPECTED_REASON.values()) | {
-        "uneven_ranks", "peer_fallback", "not_initialized", "coalescing", "compiling",
-        "no_primitive", "cannot_prove_exclusive", "not_in_group", "empty", "below_threshold",
-    }
-    # input_not_contiguous is reachable only on NCCL (the route that reads raw
-    # memory); no GPU here, so test_routes.py checks the route table instead.
-    assert covered | {"input_not_contiguous"} == {reason.value for reason in Reason}
+REACHES: Dict[Reason, Callable[[Any], Counter]] = {
+    Reason.NOT_INITIALIZED: _not_initialized,
+    Reason.NOT_IN_GROUP: _not_in_group,
+    Reason.COMPILING: _compiling,
+    Reason.COALESCING: _coalescing,
+    Reason.NO_PRIMITIVE: _no_primitive,
+    Reason.BACKEND: partial(_bad_input, "meta_device"),
+    Reason.BELOW_THRESHOLD: _below_threshold,
+    Reason.TORCH_FUNCTION: partial(_bad_input, "input_torch_function"),
+    Reason.NOT_A_LIST: partial(_bad_input, "not_a_list"),
+    Reason.WRONG_LENGTH: partial(_bad_input, "wrong_length"),
+    Reason.NOT_A_TENSOR: partial(_bad_input, "input_not_a_tensor"),
+    Reason.SLOT_SUBCLASS: partial(_bad_input, "slot_subclass"),
+    Reason.UNSUPPORTED_LAYOUT: partial(_bad_input, "sparse_input"),
+    Reason.EMPTY: _empty,
+    Reason.DTYPE_MISMATCH: partial(_bad_input, "dtype_mismatch"),
+    Reason.DEVICE_MISMATCH: partial(_bad_input, "device_mismatch"),
+    Reason.UNEVEN_SLOTS: partial(_bad_input, "uneven_slots"),
+    Reason.SLOT_REQUIRES_GRAD: partial(_bad_input, "slot_requires_grad"),
+    Reason.INFERENCE_TENSOR: partial(_bad_input, "inference_slots"),
+    Reason.DUPLICATE_SLOT: partial(_bad_input, "duplicate_slot"),
+    Reason.INPUT_OVERLAPS_OUTPUT: partial(_bad_input, "input_is_other_rank_view"),
+    Reason.INPUT_NOT_CONTIGUOUS: _input_not_contiguous,
+    Reason.SLOT_NOT_CONTIGUOUS: partial(_bad_input, "permuted_slots"),
+    Reason.SLOTS_SHARED: _slots_shared,
+    Reason.SLOT_MEMORY: _slot_memory,
+    Reason.CANNOT_PROVE_EXCLUSIVE: _cannot_prove_exclusive,
+    Reason.PEER_FALLBACK: _peer_fallback,
+    Reason.UNEVEN_RANKS: _uneven_ranks,
+}
+
+
+@pytest.mark.parametrize("reason", list(Reason), ids=lambda reason: reason.value)
+def test_every_reason_is_reached(pools: Any, reason: Reason) -> None:
+    """Parametrized over the enum itself, so a reason added without an input fails here by name."""
+    assert reason in REACHES, f"no input reaches {reason.value}: add one to REACHES, or drop the reason"
+    counted = REACHES[reason](pools)
+    assert counted[reason.value] >= 1, f"{reason.value} was not counted; memgather counted {dict(counted)}"
