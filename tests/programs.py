@@ -70,6 +70,21 @@ ALIASES: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "from_dlpack": lambda t: torch.from_dlpack(t),
     "via_storage": lambda t: torch.tensor([], dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride()),
     "view_as_real": lambda t: torch.view_as_real(t),
+    "narrow": lambda t: t.narrow(0, 0, 1),
+    "select": lambda t: t.select(0, 0),
+    "slice": lambda t: t[1:],
+    "diagonal": lambda t: t.diagonal(),
+    "expand": lambda t: t.expand(2, *t.shape),
+    "split": lambda t: t.split(1)[0],
+    "chunk": lambda t: t.chunk(2)[-1],
+    "transpose": lambda t: t.transpose(0, -1),
+    "permute": lambda t: t.permute(*reversed(range(t.dim()))),
+    "squeeze": lambda t: t.squeeze(),
+    "view_as": lambda t: t.view_as(t),
+    "movedim": lambda t: t.movedim(0, -1),
+    "unflatten": lambda t: t.unflatten(0, (1, -1)),
+    "t": lambda t: t.t(),
+    "conj": lambda t: t.conj(),
 }
 
 CATS: Dict[str, Callable[[List[torch.Tensor]], torch.Tensor]] = {
@@ -115,6 +130,7 @@ class _Run:
         self.inputs: List[torch.Tensor] = []
         self.log: List[Any] = []
         self.sharing: List[Any] = []
+        self.elided = 0  # cats whose result is the slots' own memory (not compared: torch never elides)
 
     def tensor(self, name: str) -> torch.Tensor:
         if name.startswith("s"):
@@ -176,7 +192,9 @@ def _step(run: _Run, op: Sequence[Any]) -> None:
     elif kind == "alias":
         run.keep("a", ALIASES[op[2]](run.tensor(op[1])))
     elif kind == "cat":
-        run.keep("r", CATS[op[1]](run.slots))
+        result = CATS[op[1]](run.slots)
+        run.elided += result.numel() > 0 and result.data_ptr() == run.slots[0].data_ptr()
+        run.keep("r", result)
     elif kind == "write":
         WRITES[op[2]](run.tensor(op[1]))
         run.sharing.append((op[1], _overlapping(run, op[1])))
@@ -206,7 +224,7 @@ def execute(program: Dict[str, Any]) -> Dict[str, Any]:
     final = {name: describe(run.tensor(name), values=True) for name in run.names()}
     final["input_grads"] = [describe(x.grad, values=True) for x in run.inputs]
     final["weight_grad"] = describe(run.weight.grad, values=True)
-    return {"log": run.log, "final": final, "sharing": run.sharing}
+    return {"log": run.log, "final": final, "sharing": run.sharing, "elided": run.elided}
 
 
 def compare(ctx: Any, program: Dict[str, Any]) -> Dict[str, Any]:
