@@ -7,6 +7,11 @@ memory and time. Peak memory counts the input plus what the gather adds,
 like the reference figure of Accelerate PR #1968: on CUDA
 ``torch.cuda.max_memory_allocated``; on CPU the resident-set high-water mark,
 reset through ``/proc/self/clear_refs`` right before the call.
+
+Instead of the patterns, one option measures one figure the README gives:
+``--overhead`` (``memgather.overhead``), ``--routes`` (``memgather.route_times``,
+rank processes started here), ``--startup`` (``memgather.startup``) and
+``--first-touch`` (``memgather.first_touch``).
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from memgather import patterns, rss
 
 SEED_SHAPE = (64, 224, 224, 64)
 DEFAULT_SHAPE = (16, 224, 224, 16)  # 49 MiB of float32 per rank: about a minute in all on 2 cores
 MODES = ("torch", "memgather")
+DEFAULT_REPEAT = 5
+FIRST_TOUCH_REPEAT = 20
+STARTUP_RUNS = 100
 
 
 @dataclass
@@ -46,12 +54,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(overhead.table(overhead.measure()))
         return 0
+    if args.routes:
+        return _routes(args)
+    if args.startup:
+        return _startup(args)
+    if args.first_touch:
+        return _first_touch(args)
     try:
         shape = _parse_shape(args.shape)
         chosen = _parse_patterns(args.patterns)
     except ValueError as error:
-        print(f"memgather bench: {error}", file=sys.stderr)
-        return 2
+        return _usage_error(error)
+    args.repeat = args.repeat or DEFAULT_REPEAT
     backend = args.backend or _default_backend(args.world_size)
     if backend == "gloo" and not rss.available():
         print("memgather bench: on CPU the peak is read from /proc/self/status after resetting it through "
@@ -78,29 +92,153 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from memgather import first_touch, route_times  # they import this module
+
     parser = argparse.ArgumentParser(
         prog="memgather bench",
         description="Peak memory and time of each caller pattern's gather, torch's own all_gather vs the same "
         "code under memgather (patched; cat elision where memgather's defaults have it for the library the "
-        "pattern stands for), in fresh processes, on this machine.",
+        "pattern stands for), in fresh processes, on this machine. --overhead, --routes, --startup and "
+        "--first-touch measure something else instead, each printing one table.",
         epilog="Patterns: " + "; ".join(f"{p.name} ({p.stands_for})" for p in patterns.PATTERNS),
     )
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn, for the patterns and --routes (default 2)")
     parser.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)),
                         help="per-rank shape as comma-separated ints, or 'seed' for (64,224,224,64), the shape "
                         "of the reference figure (default %(default)s)")
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
-    parser.add_argument("--repeat", type=int, default=5, help="measured gathers per pattern and mode (default 5)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="fresh process groups per pattern and mode, alternating modes; times are medians over "
-                        "all rounds (small gathers vary between process pairs: use 15 below 1 MiB)")
+    parser.add_argument("--repeat", type=_positive, metavar="N",
+                        help=f"measured gathers per pattern and mode (default {DEFAULT_REPEAT}); with --routes, timing "
+                        f"samples per route and size (default {DEFAULT_REPEAT}); with --first-touch, fresh buffers per "
+                        f"variant and size (default {FIRST_TOUCH_REPEAT}); with --startup, interpreter start-ups with "
+                        f"and without memgather.pth (default {STARTUP_RUNS})")
+    parser.add_argument("--rounds", type=_positive, default=1,
+                        help="fresh process groups per pattern and mode, alternating modes (with --routes: per table); "
+                        "times are medians over all rounds (small gathers vary between process pairs: use 15 below 1 MiB)")
     parser.add_argument("--patterns", help="comma-separated subset of: " + ",".join(patterns.BY_NAME))
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA has a GPU per rank, else gloo")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--json", metavar="PATH", help="also write the pattern rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw peak memory per pattern (needs matplotlib: pip install 'memgather[plot]')")
-    parser.add_argument("--overhead", action="store_true",
-                        help="instead: microseconds memgather adds per call (torch's no-op 'fake' backend, in-process)")
+    parser.add_argument("--sizes", metavar="SIZES",
+                        help="with --routes: bytes per rank, with --first-touch: buffer sizes; comma-separated, each "
+                        "a whole number with an optional K, M or G (KiB, MiB, GiB) (defaults: --routes "
+                        f"{_sizes_text(route_times.DEFAULT_SIZES)}; --first-touch {_sizes_text(first_touch.DEFAULT_SIZES)})")
+    instead = parser.add_mutually_exclusive_group()
+    instead.add_argument("--overhead", action="store_true",
+                         help="instead: microseconds memgather adds per call (torch's no-op 'fake' backend, in-process)")
+    instead.add_argument("--routes", action="store_true",
+                         help="instead: median time per gather of gloo's two routes at each of --sizes, --world-size "
+                         "real gloo ranks: torch's single-tensor all-gather vs memgather's broadcast route (with its "
+                         "metadata agreement round), and where broadcast starts to win: the source of memgather's "
+                         "2 MiB gloo threshold")
+    instead.add_argument("--startup", action="store_true",
+                         help="instead: what memgather.pth costs a Python start-up with MEMGATHER unset: its line "
+                         "alone (timeit), and 'python -c pass' in a bare venv with the file vs one without")
+    instead.add_argument("--first-touch", action="store_true",
+                         help="instead: time to allocate and first fill a fresh CPU buffer of each of --sizes, with "
+                         "and without memgather's huge-page advice (MADV_HUGEPAGE), in-process")
     return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive integer")
+    return value
+
+
+def _routes(args: argparse.Namespace) -> int:
+    """``--routes``: the single vs broadcast table (memgather.route_times)."""
+    from memgather import route_times
+
+    if args.backend == "nccl":
+        return _usage_error(ValueError("--routes times gloo's routes; NCCL has one route (single, in place)"))
+    try:
+        sizes = _sizes(args.sizes, route_times.DEFAULT_SIZES, route_times.check_sizes)
+    except ValueError as error:
+        return _usage_error(error)
+    reason = route_times.usable()
+    if reason:
+        print(f"memgather bench --routes: {reason}", file=sys.stderr)
+        return 2
+    repeat = args.repeat or DEFAULT_REPEAT
+    rounds = []
+    for round_index in range(args.rounds):
+        started = time.perf_counter()
+        print(f"[bench] routes: {args.world_size} ranks, gloo, {', '.join(map(size_label, sizes))} per rank, "
+              f"{repeat} samples, round {round_index + 1}/{args.rounds} ...", end="", flush=True)
+        rounds.append(route_times.measure(args.world_size, sizes, repeat))
+        print(f" {time.perf_counter() - started:.1f} s", flush=True)
+    print(route_times.table(route_times.rows(rounds), args.world_size, repeat, args.rounds))
+    return 0
+
+
+def _startup(args: argparse.Namespace) -> int:
+    """``--startup``: memgather.pth's cost at interpreter start-up (memgather.startup)."""
+    from memgather import startup
+
+    reason = startup.usable()
+    if reason:
+        print(f"memgather bench --startup: {reason}", file=sys.stderr)
+        return 2
+    print(startup.table(startup.measure(args.repeat or STARTUP_RUNS)))
+    return 0
+
+
+def _first_touch(args: argparse.Namespace) -> int:
+    """``--first-touch``: a fresh buffer's first fill with and without huge-page advice (memgather.first_touch)."""
+    from memgather import first_touch
+
+    try:
+        sizes = _sizes(args.sizes, first_touch.DEFAULT_SIZES, first_touch.check_sizes)
+    except ValueError as error:
+        return _usage_error(error)
+    reason = first_touch.usable()
+    if reason:
+        print(f"memgather bench --first-touch: {reason}", file=sys.stderr)
+        return 2
+    repeat = args.repeat or FIRST_TOUCH_REPEAT
+    print(first_touch.table(first_touch.measure(sizes, repeat), repeat))
+    return 0
+
+
+def _usage_error(error: ValueError) -> int:
+    print(f"memgather bench: {error}", file=sys.stderr)
+    return 2
+
+
+def _sizes(text: Optional[str], default: Sequence[int], check: Callable[[Sequence[int]], None]) -> List[int]:
+    """``--sizes`` read (or the mode's default), then checked by the mode; ValueError if unusable."""
+    sizes = parse_sizes(text) if text else list(default)
+    check(sizes)
+    return sizes
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_sizes(text: str) -> List[int]:
+    """Bytes from '4K,256K,1M': whole numbers, each with an optional K, M or G (binary units)."""
+    sizes = []
+    for part in (p.strip().upper() for p in text.split(",")):
+        number, unit = (part[:-1], part[-1]) if part[-1:] in ("K", "M", "G") else (part, "")
+        if not number.isdigit():
+            raise ValueError(f"--sizes {text!r}: expected comma-separated sizes such as 4K,1M,64M")
+        sizes.append(int(number) * _UNITS[unit])
+    return sizes
+
+
+def _sizes_text(sizes: Sequence[int]) -> str:
+    """Sizes as --sizes takes them: '4K,1M'."""
+    return ",".join(size_label(size).replace(" KiB", "K").replace(" MiB", "M").replace(" GiB", "G") for size in sizes)
+
+
+def size_label(size: int) -> str:
+    """'4 KiB', '1 MiB', ...: exact where the size is a whole number of the unit, else bytes."""
+    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if size >= unit and size % unit == 0:
+            return f"{size // unit} {name}"
+    return f"{size} bytes"
 
 
 def _parse_shape(text: str) -> Tuple[int, ...]:
@@ -132,13 +270,27 @@ def _default_backend(world: int) -> str:
 
 
 def _run_mode(pattern: str, mode: str, backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int) -> List[RankResult]:
+    try:
+        by_rank = spawn(_measure, world, backend, pattern, mode, shape, dtype, repeat)
+    except RuntimeError as error:
+        raise RuntimeError(f"{pattern} ({mode}) failed: {error}") from None
+    return [RankResult(**result) for result in by_rank]
+
+
+def spawn(worker: Callable[..., Any], world: int, backend: str, *args: Any) -> List[Any]:
+    """``worker(rank, world, port, backend, *args)`` in ``world`` fresh rank processes; what
+    each returned, in rank order.
+
+    ``worker`` must be a module-level function (the processes get it by name) that
+    joins the process group with ``join(rank, world, port, backend)``, leaves it with
+    ``leave()``, and returns something picklable. A rank that raised makes this raise
+    ``RuntimeError`` naming the rank and its error.
+    """
     ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, world, port, backend, pattern, mode, shape, dtype, repeat, queue))
-        for rank in range(world)
-    ]
+    procs = [ctx.Process(target=_rank_main, args=(worker, rank, world, port, backend, args, queue))
+             for rank in range(world)]
     for proc in procs:
         proc.start()
     try:
@@ -146,10 +298,17 @@ def _run_mode(pattern: str, mode: str, backend: str, world: int, shape: Tuple[in
     finally:
         for proc in procs:
             proc.join(timeout=60)
-    failed = {rank: result for rank, result in by_rank.items() if isinstance(result, str)}
+    failed = {rank: result for rank, result in by_rank.items() if isinstance(result, _Failure)}
     if failed:
-        raise RuntimeError(f"{pattern} ({mode}) failed: " + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
-    return [RankResult(**by_rank[rank]) for rank in range(world)]
+        raise RuntimeError("; ".join(f"rank {r}: {e.message}" for r, e in sorted(failed.items())))
+    return [by_rank[rank] for rank in range(world)]
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What a rank sends back instead of a result when its worker raised."""
+
+    message: str
 
 
 def _context() -> Any:
@@ -167,30 +326,50 @@ def _context() -> Any:
     return ctx
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, pattern: str, mode: str, shape: Tuple[int, ...],
-               dtype: str, repeat: int, queue: Any) -> None:
+def _rank_main(worker: Callable[..., Any], rank: int, world: int, port: int, backend: str, args: Tuple[Any, ...],
+               queue: Any) -> None:
     try:
-        result: Any = asdict(_measure(rank, world, port, backend, pattern, mode, shape, dtype, repeat))
+        result: Any = worker(rank, world, port, backend, *args)
     except Exception as error:  # noqa: BLE001 - reported by the parent
-        result = f"{type(error).__name__}: {error}"
+        result = _Failure(f"{type(error).__name__}: {error}")
     queue.put((rank, result))
     queue.close()
     queue.join_thread()
 
 
-def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode: str, shape: Tuple[int, ...],
-             dtype: str, repeat: int) -> RankResult:
+def join(rank: int, world: int, port: int, backend: str) -> Any:
+    """Join the rank processes' group (``tcp://127.0.0.1:port``); returns this rank's device.
+
+    One intra-op thread (more would only contend with the other ranks), this
+    rank's GPU under NCCL, and the calling thread pinned to a core of its own.
+    """
     import torch
     import torch.distributed as dist
 
-    import memgather
-
-    torch.set_num_threads(1)  # intra-op threads would only contend with the other ranks
+    torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     _pin_main_thread(rank)
+    return device
+
+
+def leave() -> None:
+    """Wait for every rank, then destroy the process group."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode: str, shape: Tuple[int, ...],
+             dtype: str, repeat: int) -> Dict[str, Any]:
+    import torch
+
+    import memgather
+
+    device = join(rank, world, port, backend)
     if mode == "memgather":
         memgather.patch([patterns.MODULE], elide=patterns.BY_NAME[pattern].elide)
     else:
@@ -199,11 +378,10 @@ def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode:
     generator = torch.Generator().manual_seed(rank)
     tensor = (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype)).to(device)
     peaks, digest = _peaks(gather, tensor, repeat)
-    inner = _calls_per_sample(gather, tensor)
-    seconds = [_timed(gather, tensor, inner) / inner for _ in range(repeat)]
-    dist.barrier()
-    dist.destroy_process_group()
-    return RankResult(peaks, seconds, digest)
+    inner = calls_per_sample(gather, tensor)
+    seconds = [timed(gather, tensor, inner) / inner for _ in range(repeat)]
+    leave()
+    return asdict(RankResult(peaks, seconds, digest))
 
 
 def _peaks(gather: Any, tensor: Any, repeat: int) -> Tuple[List[int], str]:
@@ -251,7 +429,7 @@ def _pin_main_thread(rank: int) -> None:
         os.sched_setaffinity(0, {cores[rank % len(cores)]})  # 0: this thread only, on Linux
 
 
-def _calls_per_sample(gather: Any, tensor: Any) -> int:
+def calls_per_sample(gather: Any, tensor: Any) -> int:
     """Calls per timing sample: enough for about 50 ms, so that small gathers are not
     timed against the skew of the barrier before them. The same on every rank.
 
@@ -273,12 +451,12 @@ def _slowest(gather: Any, tensor: Any, calls: int) -> float:
     import torch
     import torch.distributed as dist
 
-    elapsed = torch.tensor([_timed(gather, tensor, calls)], dtype=torch.float64, device=tensor.device)
+    elapsed = torch.tensor([timed(gather, tensor, calls)], dtype=torch.float64, device=tensor.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
 
-def _timed(gather: Any, tensor: Any, calls: int) -> float:
+def timed(gather: Any, tensor: Any, calls: int) -> float:
     """Seconds this rank takes for ``calls`` gathers, started together after a barrier
     (on CUDA until the device has finished them)."""
     import torch.distributed as dist

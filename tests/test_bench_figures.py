@@ -1,0 +1,115 @@
+"""The commands behind the README's figures, each run for real at tiny settings:
+``memgather bench --routes``, ``--startup`` and ``--first-touch``. Only the shape of
+what they print is checked (a well-formed table of positive numbers), never a timing."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from memgather import bench, pages, route_times
+from tests.jobs import environment
+
+ROOT = Path(__file__).resolve().parent.parent
+TIME = re.compile(r"^([0-9]+(?:\.[0-9]+)?) (ms|us)$")
+
+
+def _bench(*args: str) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run([sys.executable, "-m", "memgather", "bench", *args], capture_output=True, text=True,
+                          env=environment(), cwd=ROOT, timeout=300)
+
+
+def _cells(line: str) -> List[str]:
+    """A table line's cells: columns are separated by two spaces or more."""
+    return re.split(r" {2,}", line.strip())
+
+
+def _positive_time(cell: str) -> float:
+    match = TIME.match(cell)
+    assert match, f"not a time: {cell!r}"
+    value = float(match.group(1))
+    assert value > 0, cell
+    return value
+
+
+def _table(stdout: str, header: str) -> List[List[str]]:
+    """The rows below the line that starts with ``header``, up to a line of another shape."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    width = len(_cells(lines[start]))
+    rows = []
+    for line in lines[start + 1:]:
+        cells = _cells(line)
+        if len(cells) != width:
+            break
+        rows.append(cells)
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_routes_prints_a_table_per_size(world: int) -> None:
+    done = _bench("--routes", "--world-size", str(world), "--sizes", "4K,8K", "--repeat", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"gloo, world {world}, torch " in done.stdout
+    rows = _table(done.stdout, "per rank")
+    assert [row[0] for row in rows] == ["4 KiB", "8 KiB"]
+    for size, single, broadcast, ratio in rows:
+        assert _positive_time(single) and _positive_time(broadcast) and float(ratio) > 0
+    crossover = done.stdout.strip().splitlines()[-1]
+    assert crossover.startswith("crossover: ") and ("faster" in crossover), crossover
+
+
+def test_startup_prints_the_line_and_the_start_ups() -> None:
+    done = _bench("--startup", "--repeat", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "memgather.pth with MEMGATHER unset (" in done.stdout
+    rows = {cells[0]: cells[1:] for cells in map(_cells, done.stdout.strip().splitlines()[1:])}
+    for name in ("the line alone, compiled once", "the line as site runs it (exec of its text)",
+                 "python -c pass, bare venv with memgather.pth", "python -c pass, bare venv without it"):
+        assert _positive_time(rows[name][0])
+    assert re.match(r"^[+-][0-9]+\.[0-9]+ ms$", rows["difference of the medians"][0])
+    assert rows["difference of the medians"][1] == "3 runs each, alternating"
+
+
+@pytest.mark.skipif(not pages.available(), reason="no huge-page advice here (not Linux, or MEMGATHER_HUGE_PAGES=0)")
+def test_first_touch_prints_both_variants() -> None:
+    done = _bench("--first-touch", "--sizes", "4M", "--repeat", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "transparent huge pages: " in done.stdout
+    rows = _table(done.stdout, "size")
+    assert len(rows) == 1 and rows[0][0] == "4 MiB"
+    _, plain, advised, ratio = rows[0]
+    assert _positive_time(plain) and _positive_time(advised) and float(ratio) > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--routes", "--sizes", "4K,1X"], "expected comma-separated sizes such as 4K,1M,64M"),
+    (["--routes", "--sizes", "6"], "each size must be a positive multiple of 4 bytes"),
+    (["--routes", "--backend", "nccl"], "--routes times gloo's routes"),
+    (["--first-touch", "--sizes", "1M"], "memgather advises buffers from 4 MiB on"),
+    (["--routes", "--startup"], "not allowed with argument"),
+])
+def test_figure_options_name_bad_input(args: List[str], message: str) -> None:
+    done = _bench(*args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_sizes_and_their_labels() -> None:
+    assert bench.parse_sizes("4K, 256k,1M,2G,12") == [4096, 256 << 10, 1 << 20, 2 << 30, 12]
+    assert [bench.size_label(s) for s in (4096, 1 << 20, 3 << 30, 1536, 12)] == ["4 KiB", "1 MiB", "3 GiB", "1536 bytes", "12 bytes"]
+
+
+def test_crossover_in_words() -> None:
+    def rows(*faster: bool) -> List[route_times.Row]:
+        return [route_times.Row(1 << (20 + i), 2.0, 1.0 if fast else 3.0) for i, fast in enumerate(faster)]
+
+    assert route_times.crossover(rows(False, False, True, True)) == \
+        "broadcast is faster from 4 MiB per rank on; single is faster at 2 MiB"
+    assert route_times.crossover(rows(True, True)) == "broadcast is faster at every size measured"
+    assert route_times.crossover(rows(False, False)) == "single is faster at every size measured"
+    assert route_times.crossover(rows(False, True, False)) == "no single crossover: broadcast is faster at 2 MiB per rank only"
