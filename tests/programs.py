@@ -250,7 +250,7 @@ def describe(t: Any, values: bool = False) -> Any:
     seen = (plain, type(t).__name__ if not plain else "Tensor", str(t.dtype), tuple(t.shape), t.stride(),
             t.requires_grad, type(t.grad_fn).__name__ if t.grad_fn is not None else None, t.is_leaf, t._version)
     if values:
-        copy = t.detach().reshape(-1).clone()
+        copy = t.detach().reshape(-1).clone(memory_format=torch.contiguous_format)
         raw = copy.view(torch.uint8) if copy.numel() else copy
         seen += (hashlib.sha256(raw.numpy().tobytes() if copy.numel() else b"").hexdigest()[:16],)
     return seen

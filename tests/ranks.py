@@ -72,7 +72,7 @@ def as_bytes(t: torch.Tensor) -> bytes:
         return repr((tuple(t.shape), t.dtype)).encode()
     # A copy: exporting the tensor's own storage to numpy would mark it not resizable,
     # which memgather reads as "this memory means something where it is".
-    flat = t.detach().reshape(-1).clone()
+    flat = t.detach().reshape(-1).clone(memory_format=torch.contiguous_format)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""

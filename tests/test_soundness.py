@@ -120,7 +120,14 @@ HAZARDS = {
 def test_the_documented_hazard(pools: Any, name: str) -> None:
     """What memgather cannot see, shown for what it is: a write after an elided cat reaching the other side."""
     program = {"dtype": "float32", "shape": "vector", "ops": [("gather", "target", 1, False), *HAZARDS[name]]}
-    for result in _run(pools, program):
+    # Elision may be refused (safely) when gloo's worker holds the buffer past memgather's
+    # bounded wait, as under TORCH_DISTRIBUTED_DEBUG=DETAIL on a loaded machine: try again.
+    for _ in range(5):
+        results = _run(pools, program)
+        if all(result["memgather"]["elided"] for result in results):
+            break
+    for result in results:
+        assert result["memgather"]["elided"] == 1, result["strategies"]
         assert _hazard(result), result["memgather"]["sharing"]
         assert result["memgather"]["log"] != result["torch"]["log"]
 
