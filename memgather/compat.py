@@ -9,12 +9,13 @@ is a fact measured on the released wheels, recorded here as data.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,15 @@ def _find_is_compiling() -> Callable[[], bool]:
 is_compiling: Callable[[], bool] = _find_is_compiling()
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+_subclass_hooks_off = getattr(torch._C, "DisableTorchFunctionSubclass", None)
+
+
+def subclass_hooks_off() -> ContextManager[Any]:
+    """A block where tensor subclasses' ``__torch_function__`` does not run: memgather looking at its own slots.
+
+    torch 1.13 has no such switch; there memgather never arms a slot, so there is nothing to switch off.
+    """
+    return _subclass_hooks_off() if _subclass_hooks_off is not None else contextlib.nullcontext()
 
 
 def _find_storage_ptr() -> Callable[[torch.Tensor], int]:
@@ -130,7 +140,7 @@ def storage_holders(tensor: torch.Tensor) -> Optional[int]:
 def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
     # The local storage object dies on return, so it cannot keep the memory
     # alive through a rebind. Subclass hooks stay out: this is memgather looking.
-    with torch._C.DisableTorchFunctionSubclass():
+    with subclass_hooks_off():
         storage = tensor.untyped_storage()
     return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
 
@@ -152,7 +162,7 @@ def can_prove_alias_free() -> bool:
 
 def held_only_by_python(tensor: torch.Tensor) -> bool:
     """No C++ handle to ``tensor`` beyond its Python object (only where can_prove_alias_free())."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with subclass_hooks_off():
         return _tensor_use_count(tensor) == 1  # type: ignore[misc]
 
 
@@ -209,7 +219,7 @@ def default_private_memory(tensor: torch.Tensor) -> bool:
     """
     if tensor.device.type != "cpu":
         return False
-    with torch._C.DisableTorchFunctionSubclass():
+    with subclass_hooks_off():
         storage = tensor.untyped_storage()
         # Not resizable: memory torch did not allocate (from_blob), or exported to numpy
         # (``.numpy()``, ``np.asarray``), whose arrays would point at freed memory.

@@ -99,7 +99,7 @@ def _all_gather(
     if reason is not None:
         return _fall_back(reason, tensor_list, tensor, group, async_op)
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
-    with torch._C.DisableTorchFunctionSubclass():
+    with compat.subclass_hooks_off():
         info = groups.describe(group)
         world = info.world
         gathered = _gathered_bytes(tensor_list, world)

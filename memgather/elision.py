@@ -92,7 +92,7 @@ class _WatchedSlot(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         if _is_metadata(func):
-            with torch._C.DisableTorchFunctionSubclass():
+            with compat.subclass_hooks_off():
                 return func(*args, **kwargs)
         if func in _CONCATS or func is torch.stack:
             result = _elide(func, args, kwargs)
@@ -175,7 +175,7 @@ def disarm(slot: torch.Tensor) -> None:
 
 def _copy_out(slot: torch.Tensor) -> None:
     """Memory of its own for a given slot, same values, same version as before."""
-    with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+    with compat.subclass_hooks_off(), torch.no_grad():
         version = slot._version
         slot.set_(slot.clone())  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
         compat.set_version(slot, version)
@@ -191,7 +191,7 @@ def _is_metadata(func: Any) -> bool:
 
 
 def _elide(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
-    with torch._C.DisableTorchFunctionSubclass():  # inspecting the slots must not re-enter
+    with compat.subclass_hooks_off():  # inspecting the slots must not re-enter
         return _elide_plain(func, args, kwargs)
 
 
