@@ -179,3 +179,40 @@ def test_elision_defaults_to_audited_call_sites(pools: Any, tmp_path: Any, relea
     for result in unwrap(pools(2, **EAGER).run(elided_sites, metadata_dir, elide, env_elide)):
         assert {site: result[site]["armed"] for site in SITES} == expected
         assert all(result[site]["rewired"] == 1 and result[site]["correct"] for site in SITES), result
+
+
+def settings_after_patch(ctx: Any) -> dict:
+    """What direct calls default to before patch(), under patch(check=True) with a new threshold, after unpatch()."""
+    import os
+
+    import torch
+
+    from memgather import core
+
+    def small_call() -> dict:
+        memgather.reset_stats()
+        slots = [torch.empty(4) for _ in range(ctx.world)]
+        memgather.all_gather(slots, torch.full((4,), float(ctx.rank)))
+        assert all(torch.equal(s, torch.full((4,), float(r))) for r, s in enumerate(slots))
+        return {"fallbacks": dict(memgather.stats().fallbacks), "rewired": memgather.stats().rewired}
+
+    before = small_call()  # this pool's worker has no MEMGATHER_GLOO_MIN_BYTES: 16 bytes stay with torch
+    os.environ["MEMGATHER_GLOO_MIN_BYTES"] = "0"
+    memgather.patch(["tests.sites.target_caller"], check=True)
+    try:
+        during = small_call()
+        during["check"] = core._settings.check
+    finally:
+        memgather.unpatch()
+        del os.environ["MEMGATHER_GLOO_MIN_BYTES"]
+        core.configure()
+    after = small_call()
+    return {"before": before, "during": during, "after_check": core._settings.check, "after": after}
+
+
+def test_patch_applies_what_it_is_given_to_direct_calls(pools: Any) -> None:
+    """Settings are not frozen at import: patch() re-reads them, and what it was given reaches direct calls."""
+    for result in unwrap(pools(2).run(settings_after_patch)):
+        assert result["before"] == {"fallbacks": {"below_threshold": 1}, "rewired": 0}, result
+        assert result["during"] == {"fallbacks": {}, "rewired": 1, "check": True}, result
+        assert result["after_check"] is False and result["after"]["rewired"] == 0, result
