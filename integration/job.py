@@ -206,10 +206,10 @@ def deepspeed_cases() -> Dict[str, Any]:
     return out
 
 
-# --- open_clip: loss.gather_features, with and without local_loss ---
+# --- open_clip: loss.gather_features, with and without local_loss; ClipLoss forward and backward ---
 
 def open_clip_cases() -> Dict[str, Any]:
-    from open_clip.loss import gather_features
+    from open_clip.loss import ClipLoss, gather_features
 
     _join("open_clip")
     image, text = data(BIG // 512, 512, 14), data(BIG // 512, 512, 15)
@@ -218,6 +218,93 @@ def open_clip_cases() -> Dict[str, Any]:
         for with_grad in (False, True):
             out[f"local_loss={local_loss},with_grad={with_grad}"] = gather_features(
                 image, text, local_loss=local_loss, gather_with_grad=with_grad, rank=RANK, world_size=WORLD)
+    # Features that require grad, as a model's are, forward and backward through ClipLoss:
+    # 64 x 256 float32 per rank, so below gloo's threshold (rewired where it is 0).
+    for local_loss in (False, True):
+        for with_grad in (False, True):
+            generator = torch.Generator().manual_seed(1000 * (16 + 2 * local_loss + with_grad) + RANK)
+            raw_image = torch.randn(64, 256, generator=generator).requires_grad_()
+            raw_text = torch.randn(64, 256, generator=generator).requires_grad_()
+            log_scale = torch.tensor(2.6593, requires_grad=True)  # log(1 / 0.07), open_clip's initial value
+            image_features = torch.nn.functional.normalize(raw_image, dim=-1)
+            text_features = torch.nn.functional.normalize(raw_text, dim=-1)
+            gathered = gather_features(image_features, text_features, local_loss=local_loss,
+                                       gather_with_grad=with_grad, rank=RANK, world_size=WORLD)
+            loss = ClipLoss(local_loss=local_loss, gather_with_grad=with_grad, rank=RANK, world_size=WORLD)(
+                image_features, text_features, log_scale.exp())
+            loss.backward()
+            out[f"clip_loss,local_loss={local_loss},with_grad={with_grad}"] = {
+                "gathered": gathered,
+                "gathered.requires_grad": torch.tensor([t.requires_grad for t in gathered]),
+                "loss": loss.detach(),
+                "image.grad": raw_image.grad,
+                "text.grad": raw_text.grad,
+                "log_scale.grad": log_scale.grad,
+            }
+    return out
+
+
+# --- pytorch-metric-learning: utils.distributed through DistributedLossWrapper / DistributedMinerWrapper ---
+
+PML_ROWS, PML_DIM = 80, 8192  # 2.5 MiB of float32 embeddings per rank: above gloo's threshold
+
+
+def pytorch_metric_learning_cases() -> Dict[str, Any]:
+    """Forward and backward through the wrappers, embeddings from a small model (requires grad).
+
+    pytorch_metric_learning.utils.distributed.all_gather gathers the embeddings (and the
+    labels, and CrossBatchMemory's enqueue mask) into ones_like slots, pops this rank's
+    slot and concatenates the rest. Each case records the loss, the gradients of the
+    embeddings, of the model's input and of its parameters, and what the miner returned.
+    """
+    from pytorch_metric_learning import losses, miners
+    from pytorch_metric_learning.utils.distributed import DistributedLossWrapper, DistributedMinerWrapper
+
+    _join("pytorch_metric_learning")
+    torch.manual_seed(0)  # the same model on every rank, as DDP would have it
+    model = torch.nn.Linear(32, PML_DIM)
+    out: Dict[str, Any] = {}
+
+    def step(name: str, seed: int, run: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        model.zero_grad(set_to_none=True)
+        generator = torch.Generator().manual_seed(1000 * seed + RANK)
+        features = torch.randn(PML_ROWS, 32, generator=generator).requires_grad_()
+        labels = torch.randint(0, 10, (PML_ROWS,), generator=generator)
+        embeddings = model(features)
+        embeddings.retain_grad()
+        loss, extra = run(embeddings, labels)
+        assert torch.isfinite(loss), f"{name}: loss {loss}"
+        loss.backward()
+        out[name] = {"loss": loss.detach(), "embeddings.grad": embeddings.grad, "features.grad": features.grad,
+                     "weight.grad": model.weight.grad, "bias.grad": model.bias.grad, "extra": extra}
+
+    contrastive = DistributedLossWrapper(losses.ContrastiveLoss())
+    step("contrastive", 20, lambda emb, labels: (contrastive(emb, labels), None))
+    ntxent = DistributedLossWrapper(losses.NTXentLoss(temperature=0.5), efficient=True)
+    step("ntxent_efficient", 21, lambda emb, labels: (ntxent(emb, labels), None))
+
+    miner = DistributedMinerWrapper(miners.MultiSimilarityMiner(epsilon=0.1))
+
+    def mined(emb: torch.Tensor, labels: torch.Tensor) -> Any:
+        pairs = miner(emb, labels)  # the wrapper gathers emb (requires grad); the miner itself runs under no_grad
+        return contrastive(emb, labels, pairs), pairs
+
+    step("miner+contrastive", 22, mined)
+    triplet_miner = DistributedMinerWrapper(miners.TripletMarginMiner(margin=0.2), efficient=True)
+    triplet = DistributedLossWrapper(losses.TripletMarginLoss(margin=0.2), efficient=True)
+
+    def mined_efficient(emb: torch.Tensor, labels: torch.Tensor) -> Any:
+        triplets = triplet_miner(emb, labels)
+        return triplet(emb, labels, triplets), triplets
+
+    step("triplet_miner+triplet_efficient", 23, mined_efficient)
+    memory = DistributedLossWrapper(losses.CrossBatchMemory(losses.ContrastiveLoss(), PML_DIM, memory_size=256))
+
+    def cross_batch(emb: torch.Tensor, labels: torch.Tensor) -> Any:
+        enqueue = torch.arange(PML_ROWS) % 4 == RANK  # a bool tensor gathered too
+        return memory(emb, labels, enqueue_mask=enqueue), [memory.loss.embedding_memory, memory.loss.label_memory]
+
+    step("cross_batch_memory", 24, cross_batch)
     return out
 
 
@@ -227,6 +314,7 @@ SCENARIOS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "torchmetrics": torchmetrics_cases,
     "deepspeed": deepspeed_cases,
     "open_clip": open_clip_cases,
+    "pytorch_metric_learning": pytorch_metric_learning_cases,
 }
 
 

@@ -162,7 +162,8 @@ def test_every_integration_environment_has_its_test_and_label() -> None:
     tox.read(ROOT / "tox.ini")
     envs = {name.split(":", 1)[1]: tox[name] for name in tox.sections() if name.startswith("testenv:")}
     integration = {name: env for name, env in envs.items() if "integration" in env.get("labels", "")}
-    assert set(integration) == {"accelerate-0.23", "accelerate", "transformers", "torchmetrics", "deepspeed", "open_clip"}
+    assert set(integration) == {"accelerate-0.23", "accelerate", "transformers", "torchmetrics", "deepspeed", "open_clip",
+                                "pytorch-metric-learning"}
     for name, env in integration.items():
         test_file = env["commands"].split()[-2]
         assert (ROOT / test_file).is_file(), (name, test_file)
