@@ -152,7 +152,20 @@ _SOLE_HOLDER_COUNTS = _storage_counts(torch.empty(1)) if _use_count is not None 
 # Handles to the tensor itself (not its storage) held in C++: a DLPack capsule,
 # a tensor saved for backward, a view's base. Python references do not count.
 _tensor_use_count = getattr(torch.Tensor, "_use_count", None)
-_set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def _find_set_version() -> Optional[Callable[[torch.Tensor, int], None]]:
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        return None
+    try:  # torch 2.2 on: sequences of tensors and versions
+        setter((torch.empty(0),), (0,))
+        return lambda tensor, version: setter((tensor,), (version,))
+    except TypeError:  # torch 2.0 and 2.1: one tensor, one version
+        return setter  # type: ignore[no-any-return]
+
+
+_set_versions = _find_set_version()
 
 
 def can_prove_alias_free() -> bool:
@@ -202,7 +215,7 @@ def can_set_version() -> bool:
 def set_version(tensor: torch.Tensor, version: int) -> None:
     """Put ``tensor``'s version counter back where torch would have left it (no-op where torch cannot)."""
     if _set_versions is not None:
-        _set_versions((tensor,), (version,))
+        _set_versions(tensor, version)
 
 
 def default_private_memory(tensor: torch.Tensor) -> bool:
