@@ -159,8 +159,7 @@ def _routes(args: argparse.Namespace) -> int:
         return _usage_error(error)
     reason = route_times.usable()
     if reason:
-        print(f"memgather bench --routes: {reason}", file=sys.stderr)
-        return 2
+        return _cannot_run("--routes", reason)
     repeat = args.repeat or DEFAULT_REPEAT
     rounds = []
     for round_index in range(args.rounds):
@@ -179,8 +178,7 @@ def _startup(args: argparse.Namespace) -> int:
 
     reason = startup.usable()
     if reason:
-        print(f"memgather bench --startup: {reason}", file=sys.stderr)
-        return 2
+        return _cannot_run("--startup", reason)
     print(startup.table(startup.measure(args.repeat or STARTUP_RUNS)))
     return 0
 
@@ -195,11 +193,16 @@ def _first_touch(args: argparse.Namespace) -> int:
         return _usage_error(error)
     reason = first_touch.usable()
     if reason:
-        print(f"memgather bench --first-touch: {reason}", file=sys.stderr)
-        return 2
+        return _cannot_run("--first-touch", reason)
     repeat = args.repeat or FIRST_TOUCH_REPEAT
     print(first_touch.table(first_touch.measure(sizes, repeat), repeat))
     return 0
+
+
+def _cannot_run(option: str, reason: str) -> int:
+    """Say why ``option`` cannot measure anything here; exit status 2."""
+    print(f"memgather bench {option}: {reason}", file=sys.stderr)
+    return 2
 
 
 def _usage_error(error: ValueError) -> int:
