@@ -93,6 +93,22 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 _subclass_hooks_off = getattr(torch._C, "DisableTorchFunctionSubclass", None)
 
 
+def outside_modes() -> ContextManager[Any]:
+    """A block that no torch function or dispatch mode, subclass hook or functorch transform sees."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C.DisableTorchFunction())
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # torch without Python dispatch modes
+        pass
+    else:
+        stack.enter_context(_disable_current_modes())
+    disable_functorch = getattr(torch._C, "_DisableFuncTorch", None)
+    if disable_functorch is not None:
+        stack.enter_context(disable_functorch())
+    return stack
+
+
 def subclass_hooks_off() -> ContextManager[Any]:
     """A block where tensor subclasses' ``__torch_function__`` does not run: memgather looking at its own slots.
 
@@ -213,8 +229,9 @@ def can_set_version() -> bool:
 
 
 def set_version(tensor: torch.Tensor, version: int) -> None:
-    """Put ``tensor``'s version counter back where torch would have left it (no-op where torch cannot)."""
-    if _set_versions is not None:
+    """Put ``tensor``'s version counter back where torch would have left it (no-op where torch cannot,
+    and for inference tensors, which have no version counter)."""
+    if _set_versions is not None and not tensor.is_inference():
         _set_versions(tensor, version)
 
 

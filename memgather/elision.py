@@ -38,7 +38,7 @@ slot inside a list by a caller memgather does not wrap).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -47,7 +47,8 @@ from memgather import compat, slots as _slots
 
 _GROUP = "_memgather_elision"
 _CONCATS = (torch.cat, torch.concat, torch.concatenate)
-_given: Set[int] = set()  # ids of live slots whose buffer a result now shares
+# ids of live slots whose buffer a result now shares -> the finalizer that forgets them when they die
+_given: Dict[int, "weakref.finalize"] = {}
 
 # Reading these neither writes nor makes an alias: code commonly looks at its
 # slots before concatenating them.
@@ -142,7 +143,7 @@ def release(slots: Sequence[torch.Tensor]) -> None:
         return
     for slot in slots:
         if id(slot) in _given:
-            _given.discard(id(slot))
+            _forget(slot)
             _make_plain(slot)
 
 
@@ -174,13 +175,42 @@ def disarm(slot: torch.Tensor) -> None:
 
 
 def _copy_out(slot: torch.Tensor) -> None:
-    """Memory of its own for a given slot, same values, same version as before."""
-    with compat.subclass_hooks_off(), torch.no_grad():
-        version = slot._version
+    """Memory of its own for a given slot, same values, same version as before.
+
+    Done outside every mode and transform: the copy is memgather's doing, not an
+    operation of the program that a dispatch mode, a functorch transform or a
+    tracer should see.
+    """
+    with compat.outside_modes(), torch.no_grad():
+        if slot.untyped_storage().nbytes() < (slot.storage_offset() + slot.numel()) * slot.element_size():
+            raise RuntimeError(
+                "memgather: this slot shared its memory with the result of an elided torch.cat, and that "
+                "result's storage was freed (resized); the slot's values are gone. Turn cat elision off "
+                "for this caller (MEMGATHER_ELIDE=0, or patch(elide=False))"
+            )
+        version = -1 if slot.is_inference() else slot._version
         slot.set_(slot.clone())  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
-        compat.set_version(slot, version)
-    _given.discard(id(slot))
+        if version >= 0:
+            compat.set_version(slot, version)
+    _forget(slot)
     _make_plain(slot)
+
+
+def _forget(slot: torch.Tensor) -> None:
+    finalizer = _given.pop(id(slot), None)
+    if finalizer is not None:
+        finalizer.detach()  # no finalizer piles up on slot objects that are gathered into again and again
+
+
+def _orphaned(refs: List["weakref.ref[torch.Tensor]"]) -> None:
+    """The result died: slots still sharing its buffer would keep all of it alive, so each gets its own copy."""
+    for ref in refs:
+        slot = ref()
+        if slot is not None and type(slot) is GivenSlot:
+            try:
+                _copy_out(slot)
+            except RuntimeError:  # its memory was freed with the result's: nothing to keep
+                pass
 
 
 def _is_metadata(func: Any) -> bool:
@@ -260,9 +290,15 @@ def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> 
     group.disarm()
     for slot in tensors:
         slot.__class__ = GivenSlot
-        _given.add(id(slot))
-        weakref.finalize(slot, _given.discard, id(slot))
+        _given[id(slot)] = _finalizer(slot, _given.pop, id(slot), None)
+    _finalizer(result, _orphaned, [weakref.ref(slot) for slot in tensors])
     return result
+
+
+def _finalizer(obj: Any, callback: Any, *args: Any) -> "weakref.finalize":
+    finalizer = weakref.finalize(obj, callback, *args)
+    finalizer.atexit = False  # at interpreter exit there is nothing left to keep apart
+    return finalizer
 
 
 def _make_plain(slot: torch.Tensor) -> None:

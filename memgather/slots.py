@@ -63,8 +63,8 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
 
 
 def versions(slots: List[torch.Tensor]) -> List[int]:
-    """The slots' version counters, read before memgather touches them."""
-    return [slot._version for slot in slots]
+    """The slots' version counters, read before memgather touches them (-1: an inference tensor has none)."""
+    return [-1 if slot.is_inference() else slot._version for slot in slots]
 
 
 def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
@@ -76,7 +76,8 @@ def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
     """
     if compat.can_set_version():
         for slot, version in zip(slots, before):
-            compat.set_version(slot, version + 1)
+            if version >= 0:
+                compat.set_version(slot, version + 1)
         return
     for slot in slots:
         compat.increment_version(slot)

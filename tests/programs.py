@@ -170,6 +170,9 @@ def _gather(run: _Run, how: str, seed: int, grad: bool) -> None:
     elif how == "disabled":
         with memgather.disabled():
             dist.all_gather(run.slots, x)
+    elif how == "inference":  # evaluation code gathers under inference mode
+        with torch.inference_mode():
+            dist.all_gather(run.slots, x)
     elif how == "function":  # new slot objects, outputs of an autograd Function
         run.slots = list(GatherLayer.apply(x)) if x.requires_grad else run.slots
         if not x.requires_grad:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict
 
 import pytest
 
@@ -62,3 +62,32 @@ def test_gather_plus_cat_peak_is_the_gathered_size(pools: Any) -> None:
         assert elided["correct"] and copied["correct"]
         assert elided["growth"] <= 1.05 * elided["gathered"], elided
         assert copied["growth"] >= 1.8 * copied["gathered"], copied
+
+
+def kept_slot_after_result_dies(ctx: Any, numel: int) -> Dict[str, Any]:
+    """Keep one slot, drop the list and the elided result: only that slot's memory may stay, as under torch."""
+    import gc
+
+    import torch
+
+    import memgather
+    from memgather import rss
+
+    gc.collect()
+    before = rss.current_bytes()
+    slots = [torch.empty(numel) for _ in range(ctx.world)]
+    memgather.all_gather(slots, torch.full((numel,), float(ctx.rank)), elide=True)
+    result = torch.cat(slots)
+    elided = result.data_ptr() == slots[0].data_ptr()
+    mine = slots[ctx.rank]
+    del slots, result
+    gc.collect()
+    kept = rss.current_bytes() - before
+    return {"elided": elided, "kept": kept, "slot": numel * 4, "value": bool((mine == ctx.rank).all())}
+
+
+def test_a_kept_slot_does_not_keep_the_whole_buffer(pools: Any) -> None:
+    """16 MiB per rank: the result's death gives surviving slots their own memory, so the buffer is freed."""
+    for result in unwrap(pools(2, **EAGER).run(kept_slot_after_result_dies, 4 << 20)):
+        assert result["elided"] and result["value"], result
+        assert result["kept"] < 1.5 * result["slot"], result

@@ -36,7 +36,7 @@ EXAMPLES = int(os.environ.get("MEMGATHER_SOUNDNESS_EXAMPLES", "550"))
 SLOTS = [f"s{i}" for i in range(3)]
 NAMES = SLOTS + ["a0", "a1", "a2", "r0", "r1", "x", "y0", "y1", "t0"]
 
-_gather = st.tuples(st.just("gather"), st.sampled_from(["target", "target_async", "non_target", "disabled", "function"]),
+_gather = st.tuples(st.just("gather"), st.sampled_from(["target", "target_async", "non_target", "disabled", "function", "inference"]),
                     st.integers(0, 50), st.booleans())
 _ops = st.one_of(
     _gather,
@@ -149,6 +149,8 @@ SAFE_AFTER_CAT = {
                                             ("write", "r0", "add"), ("backward", "y0")],
     "input_requires_grad": [("gather", "target", 4, True), ("cat", "cat"), ("read", "s0")],
     "other_subclass": [("tagged", "s0"), ("cat", "cat")],
+    "gather_again_under_inference_mode": [("cat", "cat"), ("gather", "inference", 2, False), ("read", "r0"),
+                                          ("cat", "stack")],
 }
 
 
@@ -160,3 +162,91 @@ def test_cases_the_issue_names(pools: Any, name: str) -> None:
         assert not _hazard(result), result["memgather"]["sharing"]
         assert result["memgather"]["log"] == result["torch"]["log"]
         assert result["memgather"]["final"] == result["torch"]["final"]
+
+
+def freed_result(ctx: Any) -> Dict[str, Any]:
+    """The result's storage freed after an elided cat (FSDP-style resize_(0)), then a slot used."""
+    import torch
+
+    import memgather
+
+    slots = [torch.empty(3) for _ in range(ctx.world)]
+    memgather.all_gather(slots, torch.full((3,), float(ctx.rank)), elide=True)
+    result = torch.cat(slots)
+    elided = result.data_ptr() == slots[0].data_ptr()
+    result.untyped_storage().resize_(0)
+    try:
+        slots[1].sum()
+    except RuntimeError as error:
+        return {"elided": elided, "raised": str(error)}
+    return {"elided": elided, "raised": None}
+
+
+def test_a_freed_result_is_a_clear_error_not_a_crash(pools: Any) -> None:
+    """In the hazard class (the result is changed after the cat): the slot's values are gone, and memgather says so."""
+    for result in _run_fn(pools, freed_result):
+        assert result["elided"], result
+        assert result["raised"] and "result's storage was freed" in result["raised"], result
+
+
+def inference_gathers(ctx: Any) -> Dict[str, Any]:
+    """Gathers rewired inside inference mode (evaluation code): every strategy, and gather()."""
+    import torch
+
+    import memgather
+
+    out: Dict[str, Any] = {}
+    with torch.inference_mode():
+        x = torch.full((4,), float(ctx.rank))
+        for elide in (False, True):
+            slots = [torch.empty_like(x) for _ in range(ctx.world)]
+            memgather.all_gather(slots, x, elide=elide)
+            out[f"elide={elide}"] = torch.equal(torch.cat(slots), torch.arange(ctx.world).repeat_interleave(4).float())
+        out["gather"] = torch.equal(memgather.gather(x), torch.arange(ctx.world).repeat_interleave(4).float())
+    return out
+
+
+def test_gathers_inside_inference_mode(pools: Any) -> None:
+    for result in _run_fn(pools, inference_gathers):
+        assert result == {"elide=False": True, "elide=True": True, "gather": True}, result
+
+
+def _run_fn(pools: Any, fn: Any, *args: Any) -> List[Any]:
+    return unwrap(pools(2, **EAGER).run(fn, *args))
+
+
+def modes_and_transforms_after_cat(ctx: Any, elide: bool) -> Dict[str, Any]:
+    """What a dispatch mode records, and what functorch computes, when a slot is first used after the cat."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import memgather
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: List[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def gathered() -> Any:
+        slots = [torch.empty(3) for _ in range(ctx.world)]
+        memgather.all_gather(slots, torch.full((3,), float(ctx.rank + 1)), elide=elide)
+        return slots, torch.cat(slots)  # the result kept: while it lives, the slots share its memory
+
+    slots, result = gathered()
+    with Recorder() as recorder:
+        plus = slots[0] + 1
+    slots, result = gathered()
+    grad = torch.func.grad(lambda w: (w * slots[1]).sum())(torch.ones(3))
+    return {"ops": recorder.ops, "plus": plus.tolist(), "grad": grad.tolist(), "result": result.tolist()}
+
+
+def test_modes_and_transforms_see_what_they_see_under_torch(pools: Any) -> None:
+    """memgather's copy of a given slot happens outside every mode and transform: a recording
+    dispatch mode sees only the program's own op, and torch.func.grad works as under torch."""
+    for torch_run, memgather_run in zip(_run_fn(pools, modes_and_transforms_after_cat, False),
+                                        _run_fn(pools, modes_and_transforms_after_cat, True)):
+        assert memgather_run == torch_run, (memgather_run, torch_run)
