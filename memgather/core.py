@@ -270,6 +270,13 @@ def _write(
     async_op: bool, elide: bool,
 ) -> Tuple[Any, List[torch.Tensor]]:
     """Move the bytes; returns torch's work object (or None) and the tensors that now hold the result."""
+    if chosen is DIRECT and elide and slots.tile_their_storage(tensor_list):
+        # Slots that alone tile one buffer (those of an earlier rebind, gathered into again)
+        # are that buffer's views already: armed like a rebind's, with no new buffer.
+        region = slots.region(tensor_list)
+        elision.arm(tensor_list, region)
+        work = routes.run(route, region, tensor, group, async_op)
+        return work, list(slots.stacked(region, len(tensor_list), tensor.shape).unbind(0))
     if route is routes.BROADCAST and chosen is not REBIND:
         # Direct slots already are the views a broadcast fills, and in_slots ones are filled
         # where they lie: either way the slots themselves are the destinations.

@@ -62,6 +62,23 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
+def tile_their_storage(slots: List[torch.Tensor]) -> bool:
+    """Adjacent slots that are, together, the whole of their storage and its only holders.
+
+    Then the region they tile is a buffer as a rebind's is: starting at the
+    storage's first byte, ending at its last, seen by nothing but the slots.
+    """
+    first = slots[0]
+    size = len(slots) * first.numel() * first.element_size()
+    return (
+        compat.can_prove_alias_free()
+        and first.storage_offset() == 0
+        and first.untyped_storage().nbytes() == size
+        and compat.storage_holders(first) == len(slots)
+        and all(compat.held_only_by_python(slot) for slot in slots)
+    )
+
+
 def versions(slots: List[torch.Tensor]) -> List[int]:
     """The slots' version counters, read before memgather touches them (-1: an inference tensor has none)."""
     return [-1 if slot.is_inference() else slot._version for slot in slots]

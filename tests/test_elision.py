@@ -91,3 +91,26 @@ def test_a_kept_slot_does_not_keep_the_whole_buffer(pools: Any) -> None:
     for result in unwrap(pools(2, **EAGER).run(kept_slot_after_result_dies, 4 << 20)):
         assert result["elided"] and result["value"], result
         assert result["kept"] < 1.5 * result["slot"], result
+
+
+def gathered_again_then_cat(ctx: Any) -> Dict[str, Any]:
+    """Slots rebound by one gather, used (so plain again), gathered into again, then concatenated."""
+    import torch
+
+    import memgather
+
+    slots = [torch.empty(4, 3) for _ in range(ctx.world)]
+    memgather.all_gather(slots, torch.full((4, 3), float(ctx.rank)), elide=True)
+    first = [s.sum().item() for s in slots]  # uses the slots: no cat to elide this time
+    memgather.reset_stats()
+    memgather.all_gather(slots, torch.full((4, 3), float(ctx.rank + 10)), elide=True)
+    result = torch.cat(slots)
+    want = torch.cat([torch.full((4, 3), float(r + 10)) for r in range(ctx.world)])
+    return {"first": first, "strategy": dict(memgather.stats().by_strategy), "equal": torch.equal(result, want),
+            "zero_copy": result.data_ptr() == slots[0].data_ptr()}
+
+
+def test_slots_that_alone_tile_their_buffer_are_armed_again(pools: Any) -> None:
+    """The second gather writes where the slots lie (direct) and its cat still returns that buffer."""
+    for result in unwrap(pools(2, **EAGER).run(gathered_again_then_cat)):
+        assert result["strategy"] == {"direct": 1} and result["equal"] and result["zero_copy"], result
