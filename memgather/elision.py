@@ -15,9 +15,11 @@ is on for a call, the slots are *armed*: they get the ``ElidableSlot`` class
   subclasses' ``__torch_function__`` included).
 - **given** (``GivenSlot``): its buffer was handed out as a result. The first
   operation on it (other than reading metadata) gives it a private copy of its
-  current values, so writing into a slot after the cat, or keeping one for
-  backward, never reaches the result. memgather's own gathers into given
-  slots rebind them or copy them first.
+  current values, outside every mode and transform, so writing into a slot
+  after the cat, or keeping one for backward, never reaches the result; so
+  does the result's death, so that a kept slot never keeps the whole buffer
+  alive. memgather's own gathers into given slots rebind them or copy them
+  first.
 - **plain** ``torch.Tensor``.
 
 The rule checked at the cat (``_invisible``): the slots are still where the
@@ -28,11 +30,12 @@ the Python count of its storage object; each slot's own C++ use count, which a
 DLPack export, a saved tensor or a view's base raises).
 
 What stays visible, and is why elision is on by default only for call sites
-audited to drop the list: after the cat the result and the not-yet-touched
-slots share memory, so a write into the result followed by a read of such a
-slot shows the write; so does a write into a slot by code that bypasses
-torch's Python dispatch (a C extension, a raw pointer, a collective given the
-slot inside a list by a caller memgather does not wrap).
+audited to drop the list: while the result lives, it and the not-yet-touched
+slots share memory, so a write into the result (or freeing its storage) shows
+in such a slot; so does a write into a slot by code that bypasses torch's
+Python dispatch (a C extension, a raw pointer, TorchScript, a collective whose
+``__torch_function__`` check looks only at its input). README "Cat elision"
+lists them.
 """
 
 from __future__ import annotations
@@ -114,7 +117,8 @@ class GivenSlot(_WatchedSlot):
 
 
 def arm(slots: List[torch.Tensor], flat: torch.Tensor) -> None:
-    """Let a later cat/stack of ``slots`` return ``flat`` (call right after a rebind)."""
+    """Let a later cat/stack of ``slots`` return ``flat``: call right after a rebind, or a direct
+    gather into slots that alone tile ``flat``'s whole storage."""
     if not compat.can_prove_alias_free():
         return  # this torch cannot show that nothing else holds the buffer: cat copies
     group = _Group(flat, slots)
