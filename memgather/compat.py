@@ -163,7 +163,8 @@ def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
 
 # What a tensor nobody else knows reports here; calibrated rather than
 # hard-coded, since torch and CPython differ in the references they add.
-_SOLE_HOLDER_COUNTS = _storage_counts(torch.empty(1)) if _use_count is not None else (0, 0)
+with torch.inference_mode(False):
+    _SOLE_HOLDER_COUNTS = _storage_counts(torch.empty(1)) if _use_count is not None else (0, 0)
 
 # Handles to the tensor itself (not its storage) held in C++: a DLPack capsule,
 # a tensor saved for backward, a view's base. Python references do not count.
@@ -174,8 +175,10 @@ def _find_set_version() -> Optional[Callable[[torch.Tensor, int], None]]:
     setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
     if setter is None:
         return None
+    with torch.inference_mode(False):  # memgather may be imported first inside inference mode
+        probe = torch.empty(0)
     try:  # torch 2.2 on: sequences of tensors and versions
-        setter((torch.empty(0),), (0,))
+        setter((probe,), (0,))
         return lambda tensor, version: setter((tensor,), (version,))
     except TypeError:  # torch 2.0 and 2.1: one tensor, one version
         return setter  # type: ignore[no-any-return]
@@ -203,7 +206,7 @@ def dispatch_mode_active() -> bool:
     return _dispatch_stack_length() > 0
 
 
-def await_release(tensors: List[torch.Tensor], timeout_s: float = 0.05) -> None:
+def await_release(tensors: List[torch.Tensor], timeout_s: float = 0.5) -> None:
     """Wait (bounded) until no C++ handle but Python's holds ``tensors``.
 
     A finished collective's work object is released by the backend's worker
@@ -212,8 +215,9 @@ def await_release(tensors: List[torch.Tensor], timeout_s: float = 0.05) -> None:
     hold: memgather waits for it so that its own later proofs (a rebind of the
     same slots, an elided cat) do not depend on a race.
     """
-    if _tensor_use_count is None:
-        return
+    if _tensor_use_count is None or not tensors or tensors[0].device.type != "cpu":
+        return  # gloo's worker lets go within microseconds (up to tens of ms on a loaded machine);
+        # what another backend's watchdog does with finished work is not known here: the proofs decide
     deadline = None
     while any(_tensor_use_count(t) > 1 for t in tensors):
         now = time.monotonic()

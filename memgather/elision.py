@@ -16,10 +16,8 @@ is on for a call, the slots are *armed*: they get the ``ElidableSlot`` class
 - **given** (``GivenSlot``): its buffer was handed out as a result. The first
   operation on it (other than reading metadata) gives it a private copy of its
   current values, outside every mode and transform, so writing into a slot
-  after the cat, or keeping one for backward, never reaches the result; so
-  does the result's death, so that a kept slot never keeps the whole buffer
-  alive. memgather's own gathers into given slots rebind them or copy them
-  first.
+  after the cat, or keeping one for backward, never reaches the result.
+  memgather's own gathers into given slots rebind them or copy them first.
 - **plain** ``torch.Tensor``.
 
 The rule checked at the cat (``_invisible``): the slots are still where the
@@ -185,7 +183,8 @@ def _copy_out(slot: torch.Tensor) -> None:
     operation of the program that a dispatch mode, a functorch transform or a
     tracer should see.
     """
-    with compat.outside_modes(), torch.no_grad():
+    # An inference tensor may be set_ only in inference mode, whatever mode its next use runs in.
+    with compat.outside_modes(), torch.no_grad(), torch.inference_mode(slot.is_inference()):
         if slot.untyped_storage().nbytes() < (slot.storage_offset() + slot.numel()) * slot.element_size():
             raise RuntimeError(
                 "memgather: this slot shared its memory with the result of an elided torch.cat, and that "
@@ -206,15 +205,6 @@ def _forget(slot: torch.Tensor) -> None:
         finalizer.detach()  # no finalizer piles up on slot objects that are gathered into again and again
 
 
-def _orphaned(refs: List["weakref.ref[torch.Tensor]"]) -> None:
-    """The result died: slots still sharing its buffer would keep all of it alive, so each gets its own copy."""
-    for ref in refs:
-        slot = ref()
-        if slot is not None and type(slot) is GivenSlot:
-            try:
-                _copy_out(slot)
-            except RuntimeError:  # its memory was freed with the result's: nothing to keep
-                pass
 
 
 def _is_metadata(func: Any) -> bool:
@@ -295,7 +285,6 @@ def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> 
     for slot in tensors:
         slot.__class__ = GivenSlot
         _given[id(slot)] = _finalizer(slot, _given.pop, id(slot), None)
-    _finalizer(result, _orphaned, [weakref.ref(slot) for slot in tensors])
     return result
 
 

@@ -72,6 +72,7 @@ def tile_their_storage(slots: List[torch.Tensor]) -> bool:
     size = len(slots) * first.numel() * first.element_size()
     return (
         compat.can_prove_alias_free()
+        and compat.default_private_memory(first)  # as a rebind's buffer is: the result may not be shared, pinned...
         and first.storage_offset() == 0
         and first.untyped_storage().nbytes() == size
         and compat.storage_holders(first) == len(slots)

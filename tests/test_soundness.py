@@ -250,3 +250,53 @@ def test_modes_and_transforms_see_what_they_see_under_torch(pools: Any) -> None:
     for torch_run, memgather_run in zip(_run_fn(pools, modes_and_transforms_after_cat, False),
                                         _run_fn(pools, modes_and_transforms_after_cat, True)):
         assert memgather_run == torch_run, (memgather_run, torch_run)
+
+
+def inference_slots_used_after_inference_mode(ctx: Any) -> Any:
+    """Slots gathered and concatenated inside inference mode, read after leaving it (evaluation, then reporting)."""
+    import torch
+
+    import memgather
+
+    with torch.inference_mode():
+        slots = [torch.empty(3) for _ in range(ctx.world)]
+        memgather.all_gather(slots, torch.full((3,), float(ctx.rank + 1)), elide=True)
+        result = torch.cat(slots)
+    return [slot.sum().item() for slot in slots], result.tolist()
+
+
+def test_inference_slots_are_usable_after_inference_mode(pools: Any) -> None:
+    want = [[float(3 * (r + 1)) for r in range(2)], [1.0] * 3 + [2.0] * 3]
+    for result in _run_fn(pools, inference_slots_used_after_inference_mode):
+        assert [list(part) for part in result] == want, result
+
+
+def test_first_import_inside_inference_mode() -> None:
+    """memgather's import-time probes of torch must work when the first import happens in inference mode."""
+    import subprocess
+    import sys
+
+    code = "import torch\nwith torch.inference_mode():\n    import memgather.core, memgather.elision\nprint('ok')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr
+
+
+def shared_slots_gathered_again(ctx: Any) -> Any:
+    """Slots of an earlier rebind moved to shared memory, gathered into again, then concatenated."""
+    import torch
+
+    import memgather
+
+    slots = [torch.empty(3) for _ in range(ctx.world)]
+    memgather.all_gather(slots, torch.full((3,), float(ctx.rank)), elide=True)
+    [slot.share_memory_() for slot in slots]  # their storage (one buffer) is now shared memory
+    memgather.all_gather(slots, torch.full((3,), float(ctx.rank + 5)), elide=True)
+    result = torch.cat(slots)
+    return {"shared": result.is_shared(), "zero_copy": result.data_ptr() == slots[0].data_ptr(),
+            "values": result.tolist()}
+
+
+def test_a_shared_buffer_is_never_handed_out_as_a_result(pools: Any) -> None:
+    """As torch.cat's, the result is private memory: slots in shared memory are concatenated by a copy."""
+    for result in _run_fn(pools, shared_slots_gathered_again):
+        assert result == {"shared": False, "zero_copy": False, "values": [5.0] * 3 + [6.0] * 3}, result
