@@ -55,8 +55,17 @@ def test_doctor_shows_each_backends_verdict_on_this_release() -> None:
 
 
 def test_empty_tensors_end_as_torch_ends() -> None:
-    """Fresh processes each: where torch's gloo dies on empty tensors, memgather's call dies the same way."""
-    assert pair_outcomes("memgather", "empty") == pair_outcomes("torch", "empty")
+    """Fresh processes each: where torch's gloo dies on empty tensors, memgather's call dies the same way.
+
+    On torch 1.13 and 2.0 gloo kills a rank with SIGFPE, and its peer either reaches the
+    same fault or exits 1 when the connection drops, whichever comes first, under torch
+    alone as well: a rank that died is compared as died, not by its exit code.
+    """
+    assert _died(pair_outcomes("memgather", "empty")) == _died(pair_outcomes("torch", "empty"))
+
+
+def _died(outcomes: Any) -> Any:
+    return {rank: "died" if str(o).startswith("exited ") and o != "exited 0" else o for rank, o in outcomes.items()}
 
 
 def test_version_counter_bump_without_autograds_helper_writes_nothing() -> None:
