@@ -132,7 +132,7 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
         routes.run(routes.SINGLE_STAGED, out, tensor, group, False)
         return out
     pages.advise(out)
-    all_gather(list(slots.stacked(out, world, tensor.shape).unbind(0)), tensor, group, check=check)
+    all_gather(slots.views(out, world, tensor.shape), tensor, group, check=check)
     return out
 
 
@@ -276,7 +276,7 @@ def _write(
         region = slots.region(tensor_list)
         elision.arm(tensor_list, region)
         work = routes.run(route, region, tensor, group, async_op)
-        return work, list(slots.stacked(region, len(tensor_list), tensor.shape).unbind(0))
+        return work, slots.views(region, len(tensor_list), tensor.shape)
     if route is routes.BROADCAST and chosen is not REBIND:
         # Direct slots already are the views a broadcast fills, and in_slots ones are filled
         # where they lie: either way the slots themselves are the destinations.
@@ -290,7 +290,7 @@ def _write(
         elision.arm(tensor_list, flat)
     work = routes.run(route, flat, tensor, group, async_op)
     # Plain views of the buffer: the slots themselves may be armed for elision by the time they are read.
-    return work, list(slots.stacked(flat, len(tensor_list), tensor.shape).unbind(0))
+    return work, slots.views(flat, len(tensor_list), tensor.shape)
 
 
 def _verified(work: Any, gathered: List[torch.Tensor], tensor: torch.Tensor, group: Any, chosen: Plan, verify: bool) -> Any:

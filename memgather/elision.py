@@ -274,10 +274,7 @@ def _alias_free(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
 def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> torch.Tensor:
     flat = group.flat
     if stacked:  # a tensor of its own over the buffer, as torch.stack's result is, not a view of flat
-        shape = (len(tensors), *tensors[0].shape)
-        result = flat.new_empty(0)
-        with torch.no_grad():
-            result.set_(flat.untyped_storage(), 0, shape, _slots.contiguous_strides(shape))  # type: ignore[call-overload]
+        result = _slots.tensor_over(flat, 0, (len(tensors), *tensors[0].shape))
     else:
         result = flat
     compat.set_version(result, 0)  # a fresh result, as torch.cat's

@@ -112,7 +112,7 @@ def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, asyn
     """Gather every rank's ``tensor`` into ``flat``; returns what torch would."""
     if route is BROADCAST:
         world = groups.describe(group).world
-        return broadcast_into(list(slots.stacked(flat, world, tensor.shape).unbind(0)), tensor, group)
+        return broadcast_into(slots.views(flat, world, tensor.shape), tensor, group)
     primitive = compat.single_tensor_primitive().function
     assert primitive is not None  # core falls back (no_primitive) before any route runs
     source = tensor.reshape(1) if tensor.dim() == 0 else tensor

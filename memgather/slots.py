@@ -26,15 +26,25 @@ def stacked(flat: torch.Tensor, world: int, shape: torch.Size) -> torch.Tensor:
     return flat.view(world, *shape)
 
 
+def views(flat: torch.Tensor, world: int, shape: torch.Size) -> List[torch.Tensor]:
+    """``stacked(flat)`` as a list: rank i's part of the buffer, a view each."""
+    return list(stacked(flat, world, shape).unbind(0))
+
+
 def region(slots: List[torch.Tensor]) -> torch.Tensor:
     """The flat tensor over the region that adjacent slots already tile."""
     first = slots[0]
-    shape = flat_shape(first.shape, len(slots))
     # Not a view of the first slot: a view would share its version counter, and an
     # async collective's write would bump it after memgather has set it as torch leaves it.
-    region = first.new_empty(0)
-    region.set_(first.untyped_storage(), first.storage_offset(), shape, contiguous_strides(shape))  # type: ignore[call-overload]
-    return region
+    return tensor_over(first, first.storage_offset(), flat_shape(first.shape, len(slots)))
+
+
+def tensor_over(holder: torch.Tensor, offset: int, shape: Tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor of its own (not a view: its own version counter) over ``holder``'s storage."""
+    tensor = holder.new_empty(0)
+    with torch.no_grad():
+        tensor.set_(holder.untyped_storage(), offset, shape, _contiguous_strides(shape))  # type: ignore[call-overload]
+    return tensor
 
 
 def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
@@ -106,8 +116,7 @@ def _reallocate(slots: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype
         slot.set_(torch.empty(shape, dtype=dtype, device=device))  # type: ignore[call-overload]
 
 
-def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
+def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     strides = []
     step = 1
     for size in reversed(shape):
