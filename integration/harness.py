@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 JOB = Path(__file__).resolve().parent / "job.py"
 # MEMGATHER_REPORT's line: "[memgather rank 1] memgather: 5 calls, 3 rewired (...) ...; verified 3"
-_REPORT = re.compile(r"\[memgather rank (\d+)\] memgather: (\d+) calls, (\d+) rewired \(([^)]*)\).*?(?:; verified (\d+))?$")
+_REPORT = re.compile(r"\[memgather rank (\d+)\] memgather: (\d+) calls, (\d+) rewired \(([^)]*)\)"
+                     r".*?(?:; elided (\d+))?(?:; verified (\d+))?$")
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Report:
     rewired: int
     strategies: Dict[str, int]
     verified: int
+    elided: int  # cats / stacks that returned the gathered buffer
     line: str
 
 
@@ -58,10 +60,10 @@ def _reports(output: str) -> Dict[int, Report]:
     for line in output.splitlines():
         match = _REPORT.search(line.strip())
         if match:
-            rank, calls, rewired, strategies, verified = match.groups()
+            rank, calls, rewired, strategies, elided, verified = match.groups()
             counts = dict(part.split("=") for part in strategies.split(", ") if "=" in part)
             reports[int(rank)] = Report(int(calls), int(rewired), {k: int(v) for k, v in counts.items()},
-                                        int(verified or 0), line.strip())
+                                        int(verified or 0), int(elided or 0), line.strip())
     return reports
 
 

@@ -1,26 +1,48 @@
-"""Who called all_gather: the first frame outside wrapt, memgather and torch.distributed.
+"""Who called all_gather: the code that asked for the gather, past the plumbing.
 
 With wrapt's C extension the wrapper's caller is one frame up; with
 ``WRAPT_DISABLE_EXTENSIONS=1`` wrapt's own Python frames sit in between, and
 ``all_gather_object`` calls all_gather from inside torch.distributed. Walking
 past all three finds the module, and the function, that really asked for the
 gather.
+
+A gather made inside an autograd Function's ``forward`` (torch's
+``torch.distributed.nn`` Functions, a GatherLayer of one's own) is made on
+behalf of the code that applied the Function, which is also the code that goes
+on to concatenate its outputs. So the walk goes on from such a ``forward``
+(past ``Function.apply``, Python code in torch.autograd.function up to torch
+2.13, and any other torch frame in between) to the applying frame.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
+from functools import lru_cache
 from types import CodeType, FrameType
 from typing import Any, List, Mapping, Optional, Tuple
 
-_PASSED = ("wrapt", "memgather", "torch.distributed")
+import torch
+
+_PASSED = ("wrapt", "memgather", "torch.distributed", "torch.autograd.function")
 # Code objects carry their qualified name (co_qualname) from Python 3.11 on.
 HAS_QUALNAME = sys.version_info >= (3, 11)
+_MAX_FUNCTIONS = 8  # Functions applied inside Functions' forwards, followed at most
 
 
+@lru_cache(maxsize=4096)
 def passed_through(module: str) -> bool:
-    """Frames of these modules are plumbing, not the caller."""
-    return any(module == name or module.startswith(name + ".") for name in _PASSED)
+    """Frames of these modules are plumbing, not the caller (cached: a walk asks it of every frame)."""
+    return _under(module, _PASSED)
+
+
+@lru_cache(maxsize=4096)
+def _in_torch(module: str) -> bool:
+    return _under(module, ("torch",))
+
+
+def _under(module: str, names: Tuple[str, ...]) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in names)
 
 
 def module_of(frame: FrameType) -> str:
@@ -29,11 +51,7 @@ def module_of(frame: FrameType) -> str:
 
 
 def calling_frame(frame: Optional[FrameType]) -> Tuple[Optional[FrameType], bool]:
-    """The caller's frame, and whether ``frame`` itself was the caller.
-
-    Only a decision made from a frame that was itself the caller may be cached
-    by that frame's code object: plumbing code is shared by every caller.
-    """
+    """The first frame outside the plumbing, and whether ``frame`` itself was it."""
     direct = True
     while frame is not None:
         if not passed_through(module_of(frame)):
@@ -41,6 +59,71 @@ def calling_frame(frame: Optional[FrameType]) -> Tuple[Optional[FrameType], bool
         direct = False
         frame = frame.f_back
     return None, False
+
+
+def calling_frames(frame: Optional[FrameType]) -> Tuple[List[FrameType], bool]:
+    """The frames a gather is made on behalf of, innermost first, and whether the decision may be cached.
+
+    The first frame outside the plumbing; when that runs an autograd Function's
+    ``forward``, also the frame that applied the Function, past torch's own frames
+    (Function.apply, functorch's custom_function_call, the dispatcher), and so
+    on for a Function applied inside another's ``forward``. A ``forward`` in the
+    plumbing (torch.distributed.nn's) leads the same way to its applier. Only a
+    decision that rests on ``frame`` alone may be cached by ``frame``'s code:
+    plumbing code, and a Function's ``forward``, serve every caller.
+    """
+    found: List[FrameType] = []
+    cacheable = True
+    past_forward = False  # from here on torch's frames are the way to an applier
+    while frame is not None and len(found) <= _MAX_FUNCTIONS:
+        module = module_of(frame)
+        if passed_through(module) or (past_forward and _in_torch(module)):
+            past_forward = past_forward or runs_function_forward(frame)
+            cacheable = False
+        else:
+            found.append(frame)
+            if not runs_function_forward(frame):
+                break
+            past_forward, cacheable = True, False
+        frame = frame.f_back
+    return found, cacheable
+
+
+def runs_function_forward(frame: FrameType) -> bool:
+    """Whether ``frame`` runs the ``forward`` of a ``torch.autograd.Function``.
+
+    Told by the ``ctx`` it was given (a forward that takes one), by the frame
+    above it being ``Function.apply`` (torch <= 2.13, where apply is Python), or
+    by the class its qualified name leads to (a ``setup_context``-style forward
+    of a module-level class). A ``setup_context``-style forward of a class
+    defined inside a function, on a torch whose apply is not Python, is not
+    recognised: its own frame is then taken for the caller.
+    """
+    code = frame.f_code
+    if code.co_name != "forward":
+        return False
+    if code.co_argcount and isinstance(frame.f_locals.get(code.co_varnames[0]), _FunctionCtx):
+        return True
+    above = frame.f_back
+    if above is not None and module_of(above) == "torch.autograd.function" and above.f_code.co_name == "apply":
+        return True
+    return HAS_QUALNAME and _defined_on_function(frame)
+
+
+_FunctionCtx = torch.autograd.function.FunctionCtx
+
+
+def _defined_on_function(frame: FrameType) -> bool:
+    """Whether the class ``frame``'s qualified name leads to is a Function whose ``forward`` this is."""
+    owner, _, name = frame.f_code.co_qualname.rpartition(".")  # type: ignore[attr-defined]
+    if not owner or "<locals>" in owner:
+        return False
+    thing: Any = frame.f_globals.get(owner.split(".")[0])
+    for part in owner.split(".")[1:]:
+        thing = vars(thing).get(part) if isinstance(thing, type) else None
+    if not (isinstance(thing, type) and issubclass(thing, torch.autograd.Function)):
+        return False
+    return _code_of(inspect.getattr_static(thing, name, None)) is frame.f_code
 
 
 def runs(frame: FrameType, qualname: str) -> bool:

@@ -14,6 +14,7 @@ _routes: Counter = Counter()
 _fallbacks: Counter = Counter()
 _bytes_saved = 0
 _verified = 0
+_elided = 0
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,9 @@ class Stats:
 
     ``by_strategy`` counts calls per strategy ("direct", "rebind",
     "fallback"), ``by_route`` rewired calls per collective ("single",
-    "broadcast"), ``fallbacks`` fallback calls per reason, ``verified`` rewired calls that
-    verify mode found identical to the original. ``bytes_saved`` is
+    "broadcast"), ``fallbacks`` fallback calls per reason, ``elided``
+    ``torch.cat`` / ``torch.stack`` calls that returned a gathered buffer instead
+    of a copy, ``verified`` rewired calls that verify mode found identical to the original. ``bytes_saved`` is
     what the backend's gathered-size temporary would have cost on the
     unpatched path, summed over calls whose route avoids it (a model, not a
     measurement: ``memgather bench`` measures).
@@ -34,6 +36,7 @@ class Stats:
     fallbacks: Mapping[str, int] = field(default_factory=dict)
     bytes_saved: int = 0
     verified: int = 0
+    elided: int = 0
 
     @property
     def calls(self) -> int:
@@ -51,6 +54,7 @@ class Stats:
             f"memgather: {self.calls} calls, {self.rewired} rewired "
             f"({counts(self.by_strategy)}); routes: {counts(self.by_route)}; "
             f"fallbacks: {counts(self.fallbacks)}; saved {_human(self.bytes_saved)}"
+            + (f"; elided {self.elided}" if self.elided else "")
             + (f"; verified {self.verified}" if self.verified else "")
         )
 
@@ -83,18 +87,27 @@ def stats() -> Stats:
             MappingProxyType(dict(_fallbacks)),
             _bytes_saved,
             _verified,
+            _elided,
         )
 
 
 def reset_stats() -> None:
     """Zero every counter of this process."""
-    global _bytes_saved, _verified
+    global _bytes_saved, _verified, _elided
     with _lock:
         _strategies.clear()
         _routes.clear()
         _fallbacks.clear()
         _bytes_saved = 0
         _verified = 0
+        _elided = 0
+
+
+def record_elided() -> None:
+    """Count one cat or stack that returned the gathered buffer (cat elision)."""
+    global _elided
+    with _lock:
+        _elided += 1
 
 
 def _human(size: float) -> str:

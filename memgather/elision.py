@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from memgather import compat, slots as _slots
+from memgather import compat, counters, slots as _slots
 
 _GROUP = "_memgather_elision"
 _CONCATS = (torch.cat, torch.concat, torch.concatenate)
@@ -278,6 +278,7 @@ def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> 
     else:
         result = flat
     compat.set_version(result, 0)  # a fresh result, as torch.cat's
+    counters.record_elided()
     group.disarm()
     for slot in tensors:
         slot.__class__ = GivenSlot

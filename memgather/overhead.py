@@ -9,6 +9,12 @@ nothing, so what remains is the Python around it. Four ways to call
   caller's code object up in a dict (the floor for any caller-scoped wrapper);
 - non-target: memgather patched, the caller not a target;
 - rewired: memgather patched, the caller a target (rebind strategy).
+
+Then the same three (torch, non-target, rewired) for a gather made inside an
+autograd Function's forward (``torch.distributed.nn.functional.all_gather``,
+as Lightning's ``all_gather`` makes it): such a decision cannot be cached by
+the forward's code, which serves every caller, so each call walks the stack
+to the code that applied the Function.
 """
 
 from __future__ import annotations
@@ -54,8 +60,16 @@ def measure(calls: int = 20000, rounds: int = 7) -> Dict[str, float]:
     results["rewired"] = _time(lambda: _user_call(tensor), calls, rounds)
     rewired = memgather.stats().rewired
     memgather.unpatch()
-    if rewired == 0:
-        raise RuntimeError("the rewired variant was not rewired; its timing would be meaningless")
+    results["Function: torch"] = _time(lambda: _user_function(tensor), calls, rounds)
+    memgather.patch(["memgather_overhead_no_such_target"])
+    results["Function: non-target"] = _time(lambda: _user_function(tensor), calls, rounds)
+    memgather.patch(["memgather_bench_user"])
+    memgather.reset_stats()
+    results["Function: rewired"] = _time(lambda: _user_function(tensor), calls, rounds)
+    through_function = memgather.stats().rewired
+    memgather.unpatch()
+    if rewired == 0 or through_function == 0:
+        raise RuntimeError("a rewired variant was not rewired; its timing would be meaningless")
     return results
 
 
@@ -64,16 +78,26 @@ def measure(calls: int = 20000, rounds: int = 7) -> Dict[str, float]:
 # namespace of its own because memgather's frames are skipped when looking for
 # the caller: inside memgather.overhead it would never count as user code.
 _USER_CODE = """
+import warnings
+
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
 
 def call(tensor):
     dist.all_gather([torch.empty_like(tensor), torch.empty_like(tensor)], tensor)
+
+
+def function(tensor):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its deprecation notice, torch's cost alike in every variant
+        return dist_nn.all_gather(tensor)
 """
 _user_namespace: Dict[str, Any] = {"__name__": "memgather_bench_user"}
 exec(compile(_USER_CODE, "<memgather bench user code>", "exec"), _user_namespace)
 _user_call = _user_namespace["call"]
+_user_function = _user_namespace["function"]
 
 
 def _time(function: Callable[[], None], calls: int, rounds: int) -> float:
@@ -84,8 +108,10 @@ def _time(function: Callable[[], None], calls: int, rounds: int) -> float:
 
 def table(results: Dict[str, float]) -> str:
     base = results["torch"]
-    lines = ["variant        us/call   added vs torch"]
+    lines = ["variant                us/call   added vs torch"]
     for name, value in results.items():
-        lines.append(f"{name:<14} {value:7.2f}   {value - base:+7.2f}")
+        if name == "Function: torch":
+            base = value
+        lines.append(f"{name:<22} {value:7.2f}   {value - base:+7.2f}")
     lines.append(f"non-target adds {results['non-target'] - results['bare wrapper']:+.2f} us over the bare wrapper")
     return "\n".join(lines)

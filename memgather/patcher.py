@@ -52,6 +52,9 @@ _installed: List[Tuple[Any, str, Any]] = []  # (owner, attribute, value it repla
 # Keyed by id(code), holding the code object so the id cannot be reused: code
 # objects compare by value, and two modules' identical functions are "equal".
 _decisions: Dict[int, Tuple[CodeType, bool, bool]] = {}  # id -> (code, rewire?, elide?)
+# Decisions for calls whose caller is found past plumbing: keyed by the ids of the code
+# objects the walk found, holding them for the same reason.
+_chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], Tuple[CodeType, bool, bool]]] = {}
 _exported: Optional[Dict[str, Optional[str]]] = None
 _hooked: set = set()
 _announced: set = set()
@@ -99,6 +102,7 @@ def patch(
         _install()
         _rebind_imported(selection)
         _decisions.clear()
+        _chains.clear()
         _active = active
         previous = config.export(True, selection.names, active.check, active.force, active.elide, active.verify)
         if _exported is None:
@@ -122,6 +126,7 @@ def unpatch() -> bool:
             return False
         _active = None
         _decisions.clear()
+        _chains.clear()
         kept = [entry for entry in _installed if not _restore(*entry)]
         _installed[:] = kept
         if kept:
@@ -157,23 +162,43 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 
 def _decide(frame: Any, active: _Active) -> Tuple[CodeType, bool, bool]:
+    found, cacheable = callers.calling_frames(frame)
+    if cacheable:
+        decision = _decide_for(frame.f_code, found, active)
+        _remember(_decisions, id(frame.f_code), decision)
+        return decision
+    # Plumbing or a Function's forward serves every caller: the walk must be made each
+    # call, but what it finds (the same code objects) is decided once.
+    chain = tuple(caller.f_code for caller in found)
+    key = tuple(map(id, chain))
+    known = _chains.get(key)
+    if known is None or not all(a is b for a, b in zip(known[0], chain)):
+        known = (chain, _decide_for(frame.f_code, found, active))
+        _remember(_chains, key, known)
+    return known[1]
+
+
+def _decide_for(code: CodeType, found: List[Any], active: _Active) -> Tuple[CodeType, bool, bool]:
+    """Whether to rewire, and to elide, a call made on behalf of ``found`` (innermost first)."""
     report.remember_rank()
-    caller, direct = callers.calling_frame(frame)
-    module = callers.module_of(caller) if caller is not None else ""
-    target = active.selection.match(module) if module else None
-    act = elide = False
-    if target is not None:
+    for caller in found:  # the code that called, then (past a Function's forward) the code that applied it
+        module = callers.module_of(caller)
+        target = active.selection.match(module) if module else None
+        if target is None:
+            continue
         verdict = registry.gate(target, active.force)
+        _announce(target, verdict)
         act = verdict.allowed
         # Unset: only functions read and found to drop the list, in the releases read.
-        elide = (act and audits.elides_by_default(caller)) if active.elide is None else active.elide
-        _announce(target, verdict)
-    decision = (frame.f_code, act, elide)
-    if direct:
-        if len(_decisions) >= _MAX_DECISIONS:
-            _decisions.clear()
-        _decisions[id(frame.f_code)] = decision
-    return decision
+        elide = (act and any(map(audits.elides_by_default, found))) if active.elide is None else active.elide
+        return code, act, elide
+    return code, False, False
+
+
+def _remember(cache: Dict[Any, Any], key: Any, value: Any) -> None:
+    if len(cache) >= _MAX_DECISIONS:
+        cache.clear()
+    cache[key] = value
 
 
 def _announce(target: registry.Target, verdict: registry.Verdict) -> None:
