@@ -15,8 +15,8 @@ from functools import lru_cache
 from types import FrameType
 from typing import Dict, Optional, Tuple
 
-from memgather import callers
-from memgather.targets import Verdict, release_verdict
+from memgather import callers, releases
+from memgather.releases import Verdict
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,21 @@ AUDITED: Tuple[AuditedSite, ...] = (
     AuditedSite("transformers.trainer_pt_utils", "distributed_concat", "transformers",
                 ">=4.0.0,<=5.24.0", ("4.0.0", "4.40.0", "5.24.0"),
                 "clone() slots, all_gather, returns torch.cat(slots, dim=0) or a slice of it"),
+    # Read in lightning_fabric 2.1.0, 2.2.0, 2.3.0, 2.4.0, 2.5.0 and 2.6.6, and in lightning
+    # 2.1.0, 2.3.0, 2.5.0 and 2.6.6 (the same file, lightning.fabric's imports): the same
+    # four lines in each: `tensor = tensor.contiguous()`, then under no_grad unless
+    # sync_grads, `gathered_tensors = all_gather(tensor, group)` (torch.distributed.nn's
+    # Function: empty_like slots, dist.all_gather, returns them as a tuple), then
+    # `return torch.stack(gathered_tensors)`. fabric.all_gather, LightningModule.all_gather
+    # and the DDP strategies' all_gather reach it. 2.0.x went through a helper of its own
+    # (_functional_all_gather), a different caller: not covered. Nothing after 2.6.6 was read.
+    # Slots with history (sync_grads on an input that requires grad) are never elided.
+    AuditedSite("lightning_fabric.utilities.distributed", "_all_gather_ddp_if_available", "lightning_fabric",
+                ">=2.1.0,<=2.6.6", ("2.1.0", "2.2.0", "2.3.0", "2.4.0", "2.5.0", "2.6.6"),
+                "torch.distributed.nn's all_gather (empty_like slots), returns torch.stack(slots)"),
+    AuditedSite("lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available", "lightning",
+                ">=2.1.0,<=2.6.6", ("2.1.0", "2.3.0", "2.5.0", "2.6.6"),
+                "torch.distributed.nn's all_gather (empty_like slots), returns torch.stack(slots)"),
 )
 
 # Keyed by the code's bare name, which every Python records (co_name); the
@@ -81,10 +96,21 @@ def site_of(frame: FrameType) -> Optional[AuditedSite]:
     return None
 
 
-@lru_cache(maxsize=None)
 def covers(site: AuditedSite) -> Verdict:
-    """Whether the installed release of the site's distribution is one the audit covers (cached)."""
-    return release_verdict(site.distribution, site.versions, "audited range")
+    """Whether the installed release of the site's distribution is one the audit covers (cached,
+    apart for before and after its module is imported; see ``memgather.releases``)."""
+    return _covers(site, releases.imported(site.module))
+
+
+@lru_cache(maxsize=None)
+def _covers(site: AuditedSite, imported: bool) -> Verdict:
+    return releases.verdict(site.distribution, site.versions, "audited range", site.module)
+
+
+def forget_verdicts() -> None:
+    """Forget cached verdicts (tests install and remove releases)."""
+    _covers.cache_clear()
+    releases.forget()
 
 
 def elides_by_default(frame: FrameType) -> bool:

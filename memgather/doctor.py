@@ -40,7 +40,8 @@ def report() -> "tuple[List[str], bool]":
     for target in targets.BUILTIN:
         verdict = targets.gate(target)
         state = "rewired" if verdict.allowed else "left to torch"
-        lines.append(f"  {target.name:<13} {verdict.version or '-':<12} {state}: {verdict.reason}")
+        source = f" (version from {verdict.source})" if verdict.source else ""
+        lines.append(f"  {target.name:<17} {verdict.version or '-':<12} {state}: {verdict.reason}{source}")
     lines.extend(elision_lines(settings.elide if settings is not None else None))
     lines.append(f"environment: {settings}" if settings is not None else f"environment: INVALID: {invalid}")
     pth = find_pth()

@@ -3,7 +3,8 @@
 A target is a library (or any module prefix a user names) whose calls to
 ``torch.distributed.all_gather`` memgather may rewire. Built-in targets carry
 the distribution whose installed version must fall in a tested range; that
-version is read from distribution metadata, never by importing the library.
+version is read from distribution metadata, never by importing the library
+(``memgather.releases``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import metadata
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+from memgather import releases
+from memgather.releases import Verdict
 
 _log = logging.getLogger("memgather")
 
@@ -46,6 +46,12 @@ class Target:
         return self.family or self.name
 
 
+_LIGHTNING = (
+    "fabric.all_gather, LightningModule.all_gather, the strategies' all_gather: _all_gather_ddp_if_available, "
+    "torch.distributed.nn's all_gather (an autograd Function, empty_like slots) then torch.stack; "
+    "TorchCollective.all_gather: the caller's slots; _gather_all_tensors: zeros_like slots kept as a list"
+)
+
 BUILTIN: Tuple[Target, ...] = (
     Target("accelerate", ("accelerate",), "accelerate", ">=0.20,<2",
            "gather(): empty_like slots + torch.cat (every release before 0.24.0, and on gloo/CPU after); "
@@ -57,13 +63,11 @@ BUILTIN: Tuple[Target, ...] = (
            "trainer_pt_utils.distributed_concat: clone() slots + torch.cat, list dropped"),
     Target("torchmetrics", ("torchmetrics",), "torchmetrics", ">=0.11,<2",
            "gather_all_tensors: zeros_like slots kept as a list; gathered[rank] = local afterwards"),
-    # One family, three distributions released in step: each caller is gated by its own.
-    Target("lightning", ("lightning",), "lightning", ">=2.0,<3",
-           "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
-    Target("lightning_fabric", ("lightning_fabric",), "lightning_fabric", ">=2.0,<3",
-           "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
-    Target("pytorch_lightning", ("pytorch_lightning",), "pytorch_lightning", ">=2.0,<3",
-           "_simple_gather_all_tensors: zeros_like slots kept as a list", "lightning"),
+    # One family, three top-level packages released in step, each gated by its own release:
+    # lightning_fabric ships as its own distribution and inside pytorch-lightning's wheel.
+    Target("lightning", ("lightning",), "lightning", ">=2.0,<3", _LIGHTNING, "lightning"),
+    Target("lightning_fabric", ("lightning_fabric",), "lightning_fabric", ">=2.0,<3", _LIGHTNING, "lightning"),
+    Target("pytorch_lightning", ("pytorch_lightning",), "pytorch_lightning", ">=2.0,<3", _LIGHTNING, "lightning"),
     Target("open_clip", ("open_clip",), "open_clip_torch", ">=2.0,<4",
            "gather_features: zeros_like slots, gathered[rank] = local, then torch.cat"),
     Target("fairseq", ("fairseq",), "fairseq", ">=0.10,<1", "all_gather_list / distributed_utils: slots kept"),
@@ -136,41 +140,26 @@ def _is_module_name(name: str) -> bool:
     return bool(name) and all(part.isidentifier() for part in name.split("."))
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """Whether a target's installed version passed its gate, and why."""
-
-    allowed: bool
-    version: Optional[str]
-    reason: str
-
-
 @lru_cache(maxsize=None)
-def gate(target: Target, force: bool = False) -> Verdict:
-    """Check ``target``'s installed version against its range (cached)."""
+def _gate(target: Target, force: bool, imported: bool) -> Verdict:
     if target.distribution is None:
         return Verdict(True, None, "no version gate")
-    verdict = release_verdict(target.distribution, target.versions, "tested range")
+    verdict = releases.verdict(target.distribution, target.versions, "tested range", target.prefixes[0])
     if verdict.allowed or not force:
         return verdict
-    return Verdict(True, verdict.version, f"{verdict.reason}; forced")
+    return Verdict(True, verdict.version, f"{verdict.reason}; forced", verdict.source)
 
 
-def release_verdict(distribution: str, versions: str, what: str) -> Verdict:
-    """Whether the installed release of ``distribution`` lies in ``versions``.
+def gate(target: Target, force: bool = False) -> Verdict:
+    """Check ``target``'s installed version against its range (cached; see ``memgather.releases``).
 
-    Read from distribution metadata, never by importing it; prereleases count
-    (NGC and nightly builds are prereleases). ``what`` names the range in the
-    reason ("tested range"). Not cached: callers cache their verdicts.
+    Cached apart for before and after the target is imported: only then can a
+    module without distribution metadata show its ``__version__``.
     """
-    try:
-        installed = metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return Verdict(False, None, f"distribution {distribution!r} is not installed")
-    try:
-        inside = SpecifierSet(versions).contains(Version(installed), prereleases=True)
-    except (InvalidVersion, InvalidSpecifier) as error:
-        return Verdict(False, installed, f"cannot compare version {installed!r}: {error}")
-    if inside:
-        return Verdict(True, installed, f"{distribution} {installed} is inside {versions or 'any'}")
-    return Verdict(False, installed, f"{distribution} {installed} is outside the {what} {versions}")
+    return _gate(target, force, bool(target.prefixes) and releases.imported(target.prefixes[0]))
+
+
+def forget_verdicts() -> None:
+    """Forget cached verdicts and what was read from metadata (tests install and remove releases)."""
+    _gate.cache_clear()
+    releases.forget()

@@ -25,11 +25,11 @@ def installed(tmp_path: Path) -> Iterator[Path]:
     package.mkdir()
     (package / "__init__.py").write_text("IMPORTED = True\n")
     sys.path.insert(0, str(tmp_path))
-    targets.gate.cache_clear()
+    targets.forget_verdicts()
     yield tmp_path
     sys.path.remove(str(tmp_path))
     sys.modules.pop("mg_fake_release", None)
-    targets.gate.cache_clear()
+    targets.forget_verdicts()
 
 
 @pytest.mark.parametrize(
@@ -57,6 +57,46 @@ def test_force_overrides_a_failed_gate(installed: Path) -> None:
 def test_gate_reads_metadata_without_importing(installed: Path) -> None:
     targets.gate(Target("t", ("mg_fake_release",), "mg_fake_release", ">=1"))
     assert "mg_fake_release" not in sys.modules
+
+
+def _dist_info(site: Path, name: str, version: str, top_level: str = "") -> None:
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    if top_level:
+        (info / "top_level.txt").write_text(top_level + "\n")
+
+
+def test_gate_reads_the_distribution_that_ships_a_module(installed: Path) -> None:
+    """lightning_fabric inside pytorch-lightning's wheel: no distribution of its own."""
+    _dist_info(installed, "mg_fake_bundle", "2.6.6", "mg_fake_bundled\nmg_fake_bundle")
+    verdict = targets.gate(Target("t", ("mg_fake_bundled.utils",), "mg_fake_bundled", ">=2.0,<3"))
+    assert verdict.allowed and verdict.version == "2.6.6", verdict
+    assert verdict.source == "distribution mg_fake_bundle, which ships mg_fake_bundled"
+    assert verdict.reason == "mg_fake_bundled 2.6.6 is inside >=2.0,<3"
+    assert "mg_fake_bundled" not in sys.modules
+
+
+def test_gate_refuses_when_the_shipping_distributions_disagree(installed: Path) -> None:
+    _dist_info(installed, "mg_fake_one", "1.0", "mg_fake_shared")
+    _dist_info(installed, "mg_fake_two", "2.0", "mg_fake_shared")
+    verdict = targets.gate(Target("t", ("mg_fake_shared",), "mg_fake_shared", ">=0"))
+    assert not verdict.allowed and "disagree on its version: mg_fake_one 1.0, mg_fake_two 2.0" in verdict.reason
+
+
+def test_gate_reads_version_of_an_imported_module_without_metadata(installed: Path) -> None:
+    (installed / "mg_fake_bare").mkdir()
+    (installed / "mg_fake_bare" / "__init__.py").write_text("__version__ = '0.7.1'\n")
+    target = Target("t", ("mg_fake_bare",), "mg_fake_bare", ">=0.7,<1")
+    before = targets.gate(target)
+    assert not before.allowed and "distribution 'mg_fake_bare' is not installed" in before.reason
+    import mg_fake_bare  # noqa: F401  # the library's own import; memgather never imports it
+
+    try:
+        after = targets.gate(target)
+    finally:
+        sys.modules.pop("mg_fake_bare", None)
+    assert after.allowed and after.version == "0.7.1" and after.source == "mg_fake_bare.__version__", after
 
 
 def test_builtin_registry_is_complete_data() -> None:
@@ -115,7 +155,9 @@ def test_audited_sites_are_complete_data() -> None:
     """Each audited call site lies in a built-in target, names one function, and covers the releases read."""
     assert {site.name for site in audits.AUDITED} == {
         "accelerate.utils.operations:_gpu_gather.<locals>._gpu_gather_one",
-        "transformers.trainer_pt_utils:distributed_concat"}
+        "transformers.trainer_pt_utils:distributed_concat",
+        "lightning_fabric.utilities.distributed:_all_gather_ddp_if_available",
+        "lightning.fabric.utilities.distributed:_all_gather_ddp_if_available"}
     for site in audits.AUDITED:
         target = targets.select(None).match(site.module)
         assert target is not None and target.distribution == site.distribution, site
@@ -142,10 +184,10 @@ def test_an_audit_covers_only_the_releases_it_read(tmp_path: Path, version: Opti
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: accelerate\nVersion: {version}\n")
     site = next(site for site in audits.AUDITED if site.distribution == "accelerate")
     sys.path.insert(0, str(tmp_path))
-    audits.covers.cache_clear()
+    audits.forget_verdicts()
     try:
         verdict = audits.covers(site)
     finally:
         sys.path.remove(str(tmp_path))
-        audits.covers.cache_clear()
+        audits.forget_verdicts()
     assert verdict.allowed is covered and reason in verdict.reason

@@ -87,5 +87,5 @@ def _load(name: str, path: Path) -> Any:
 
 def _forget_releases() -> None:
     """Versions are read once per process; each case brings its own metadata."""
-    targets.gate.cache_clear()
-    audits.covers.cache_clear()
+    targets.forget_verdicts()
+    audits.forget_verdicts()
