@@ -92,25 +92,25 @@ def calling_frames(frame: Optional[FrameType]) -> Tuple[List[FrameType], bool]:
 def runs_function_forward(frame: FrameType) -> bool:
     """Whether ``frame`` runs the ``forward`` of a ``torch.autograd.Function``.
 
-    Told by the ``ctx`` it was given (a forward that takes one), by the frame
-    above it being ``Function.apply`` (torch <= 2.13, where apply is Python), or
-    by the class its qualified name leads to (a ``setup_context``-style forward
-    of a module-level class). A ``setup_context``-style forward of a class
-    defined inside a function, on a torch whose apply is not Python, is not
-    recognised: its own frame is then taken for the caller.
+    Told by the frame above it being ``Function.apply`` (torch <= 2.13, where
+    apply is Python), by the class its qualified name leads to (a module-level
+    class), or by its first parameter being called ``ctx``, as every
+    ``forward(ctx, ...)`` of a Function (torch's own included) names it. The
+    frame's local variables are never read: on Python < 3.13 that would keep them
+    alive (``f_locals`` snapshots them onto the frame) until the function returns.
+    A ``setup_context``-style forward (no ``ctx``) of a class defined inside a
+    function, on a torch whose apply is C (2.14+), is not recognised: its own
+    frame is then taken for the caller.
     """
     code = frame.f_code
     if code.co_name != "forward":
         return False
-    if code.co_argcount and isinstance(frame.f_locals.get(code.co_varnames[0]), _FunctionCtx):
-        return True
     above = frame.f_back
     if above is not None and module_of(above) == "torch.autograd.function" and above.f_code.co_name == "apply":
         return True
+    if code.co_argcount and code.co_varnames[0] == "ctx":
+        return True
     return HAS_QUALNAME and _defined_on_function(frame)
-
-
-_FunctionCtx = torch.autograd.function.FunctionCtx
 
 
 def _defined_on_function(frame: FrameType) -> bool:

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, ContextManager, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -199,6 +199,13 @@ def held_only_by_python(tensor: torch.Tensor) -> bool:
 
 
 _dispatch_stack_length = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+def functorch_wrapped(tensors: Iterable[Any]) -> bool:
+    """Whether any of ``tensors`` is a functorch transform's wrapper (vmap's BatchedTensor,
+    grad's tracking tensor): it has no storage of its own for memgather to lay out."""
+    check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return check is not None and any(isinstance(t, torch.Tensor) and check(t) for t in tensors)
 
 
 def dispatch_mode_active() -> bool:

@@ -95,7 +95,7 @@ def all_gather(
 def _all_gather(
     tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: bool, elide: bool, verify: bool
 ) -> Any:
-    reason = _precondition(tensor, group)
+    reason = _precondition(tensor_list, tensor, group)
     if reason is not None:
         return _fall_back(reason, tensor_list, tensor, group, async_op)
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
@@ -167,12 +167,14 @@ def _below_gloo_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) ->
             and gathered < info.world * _gloo_min_bytes)
 
 
-def _precondition(tensor: Any, group: Any) -> Optional[Reason]:
+def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
     """Reasons to stay out that hold alike on every rank of the group."""
     if not isinstance(tensor, torch.Tensor):
         return Reason.NOT_A_TENSOR
     if has_torch_function((tensor,)):
         return Reason.TORCH_FUNCTION
+    if compat.functorch_wrapped([tensor, *(tensor_list if type(tensor_list) is list else ())]):
+        return Reason.FUNCTORCH
     if compat.is_compiling():
         return Reason.COMPILING
     if not dist.is_initialized():

@@ -10,6 +10,7 @@ imported.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -43,25 +44,44 @@ class Installed:
 
 
 def installed(distribution: str, module: Optional[str] = None) -> Union[Installed, str]:
-    """The installed release of ``distribution`` (or of ``module``'s top-level package), else why none was found."""
+    """The installed release of ``distribution`` (or of ``module``'s top-level package), else why none was found.
+
+    Metadata that cannot be read (a malformed RECORD or METADATA anywhere in the
+    environment) is a refusal, never an error in the caller's gather.
+    """
     try:
-        return Installed(metadata.version(distribution), f"distribution {distribution}")
-    except metadata.PackageNotFoundError:
-        pass
+        return _installed(distribution, module)
+    except Exception as error:  # noqa: BLE001 - someone else's broken metadata must not break a gather
+        return f"cannot read the installed metadata of {distribution!r}: {type(error).__name__}: {error}"
+
+
+def _installed(distribution: str, module: Optional[str]) -> Union[Installed, str]:
     top = (module or "").split(".")[0]
-    if not top:
-        return f"distribution {distribution!r} is not installed"
-    shipping = _shipped_by().get(top, [])
-    versions = sorted({metadata.version(name) for name in shipping})
-    if len(versions) == 1:
-        return Installed(versions[0], f"distribution {', '.join(shipping)}, which ships {top}")
-    if len(versions) > 1:
-        return (f"distribution {distribution!r} is not installed, and the distributions that ship {top} "
-                f"disagree on its version: {', '.join(f'{n} {metadata.version(n)}' for n in shipping)}")
-    own = getattr(sys.modules.get(top), "__version__", None)  # never imported here: only if it already is
-    if isinstance(own, str):
-        return Installed(own, f"{top}.__version__")
+    shipping = [name for name in _shipped_by().get(top, []) if _normal(name) != _normal(distribution)] if top else []
+    try:
+        own: Optional[str] = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        own = None
+    versions = {name: metadata.version(name) for name in shipping}
+    if own is not None:
+        versions[distribution] = own
+    if len(set(versions.values())) > 1:
+        # Two wheels that both hold the package: whichever was installed last is the code that runs.
+        return (f"the distributions that ship {top} disagree on its version: "
+                f"{', '.join(f'{name} {version}' for name, version in sorted(versions.items()))}")
+    if own is not None:
+        return Installed(own, f"distribution {distribution}")
+    if versions:
+        return Installed(next(iter(versions.values())), f"distribution {', '.join(shipping)}, which ships {top}")
+    own_version = getattr(sys.modules.get(top), "__version__", None) if top else None  # never imported here
+    if isinstance(own_version, str):
+        return Installed(own_version, f"{top}.__version__")
     return f"distribution {distribution!r} is not installed"
+
+
+def _normal(name: str) -> str:
+    """A distribution name as PEP 503 compares them."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def verdict(distribution: str, versions: str, what: str, module: Optional[str] = None) -> Verdict:

@@ -46,6 +46,7 @@ class Reason(str, enum.Enum):
     BACKEND = "backend"  # backend/device pair without a route known to be safe
     BELOW_THRESHOLD = "below_threshold"  # gloo call too small to save anything
     TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
+    FUNCTORCH = "functorch"  # input or a slot is a vmap / grad transform's wrapper: no storage of its own
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
     WRONG_LENGTH = "wrong_length"  # list length is not the group size
     NOT_A_TENSOR = "not_a_tensor"  # input or a slot is not a tensor

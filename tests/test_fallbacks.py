@@ -299,6 +299,36 @@ def _compiling(pools: Any) -> Counter:
     ))
 
 
+def vmapped_gathers(ctx: Any) -> Dict[str, Any]:
+    """all_gather inside torch.vmap, by torch then by memgather: the outcome (values or error)."""
+
+    def outcome(call: Callable[..., Any]) -> Any:
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            slots = [torch.empty_like(x) for _ in range(ctx.world)]
+            call(slots, x)
+            return torch.stack(slots)
+
+        try:
+            return ["ok", torch.vmap(gather)(torch.arange(6.0).reshape(2, 3) + 10 * ctx.rank).tolist()]
+        except Exception as error:  # noqa: BLE001 - the error is the outcome compared
+            return ["raise", type(error).__name__, str(error)]
+
+    want = outcome(dist.all_gather)
+    memgather.reset_stats()
+    got = outcome(memgather.all_gather)
+    return {"same": got == want, "torch": want, "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+def _functorch(pools: Any) -> Counter:
+    """Inside torch.vmap the input and slots are BatchedTensors without storage: torch's own error."""
+    if not hasattr(torch._C, "_functorch"):
+        pytest.skip("this torch has no torch._C._functorch to tell its wrappers by")
+    results = unwrap(pools(2, **EAGER).run(vmapped_gathers))
+    for result in results:
+        assert result["same"], result
+    return Counter(results[0]["fallbacks"])
+
+
 def _no_primitive(pools: Any) -> Counter:
     """A torch without any single-tensor all-gather: torch's list call gathers, memgather says why.
 
@@ -389,6 +419,7 @@ REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.BACKEND: partial(_bad_input, "meta_device"),
     Reason.BELOW_THRESHOLD: _below_threshold,
     Reason.TORCH_FUNCTION: partial(_bad_input, "input_torch_function"),
+    Reason.FUNCTORCH: _functorch,
     Reason.NOT_A_LIST: partial(_bad_input, "not_a_list"),
     Reason.WRONG_LENGTH: partial(_bad_input, "wrong_length"),
     Reason.NOT_A_TENSOR: partial(_bad_input, "input_not_a_tensor"),

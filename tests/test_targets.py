@@ -84,6 +84,23 @@ def test_gate_refuses_when_the_shipping_distributions_disagree(installed: Path) 
     assert not verdict.allowed and "disagree on its version: mg_fake_one 1.0, mg_fake_two 2.0" in verdict.reason
 
 
+def test_gate_refuses_a_package_its_own_and_another_distribution_disagree_on(installed: Path) -> None:
+    """Both wheels installed: whichever came last is the code that runs, so neither version can be trusted."""
+    _dist_info(installed, "mg_fake_own", "2.1.0", "mg_fake_own")
+    _dist_info(installed, "mg_fake_bigger", "2.7.0", "mg_fake_bigger\nmg_fake_own")
+    verdict = targets.gate(Target("t", ("mg_fake_own",), "mg_fake_own", ">=2,<3"))
+    assert not verdict.allowed
+    assert "disagree on its version: mg_fake_bigger 2.7.0, mg_fake_own 2.1.0" in verdict.reason
+
+
+def test_unreadable_metadata_elsewhere_is_a_refusal_not_an_error(installed: Path) -> None:
+    """A RECORD with a blank line makes importlib.metadata raise TypeError while scanning."""
+    _dist_info(installed, "mg_fake_broken", "1.0")
+    (installed / "mg_fake_broken-1.0.dist-info" / "RECORD").write_text("mg_fake_broken/__init__.py,,\n\n")
+    verdict = targets.gate(Target("t", ("mg_fake_missing",), "mg_fake_missing", ">=0"))
+    assert not verdict.allowed and verdict.reason.startswith("cannot read the installed metadata of 'mg_fake_missing'")
+
+
 def test_gate_reads_version_of_an_imported_module_without_metadata(installed: Path) -> None:
     (installed / "mg_fake_bare").mkdir()
     (installed / "mg_fake_bare" / "__init__.py").write_text("__version__ = '0.7.1'\n")
@@ -101,7 +118,7 @@ def test_gate_reads_version_of_an_imported_module_without_metadata(installed: Pa
 
 def test_builtin_registry_is_complete_data() -> None:
     names = {t.family_name for t in targets.BUILTIN}
-    assert names == {"accelerate", "deepspeed", "transformers", "torchmetrics", "lightning", "open_clip", "fairseq", "mmengine"}
+    assert names == {"accelerate", "deepspeed", "transformers", "torchmetrics", "lightning", "open_clip", "mmengine"}
     for target in targets.BUILTIN:
         assert target.prefixes and target.distribution and target.versions and target.note
     lightning = targets.select(["lightning"])
