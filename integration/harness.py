@@ -98,12 +98,20 @@ def compare(library: str, tmp: Path, world: int = 2, modes: Optional[Dict[str, D
     return runs
 
 
-def memory_growth(library: str, tmp: Path, mib: int) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
+def memory_growth(library: str, tmp: Path, mib: int, path: Optional[str] = None,
+                  env: Optional[Dict[str, str]] = None) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
     """Per rank, (unpatched, MEMGATHER=1) peak RSS growth of one gather of ``mib`` MiB per rank
-    through LIBRARY's code (job.py ``memory``); both must have gathered correctly."""
-    env = {"MEMGATHER_JOB_MIB": str(mib)}
-    theirs = launch(f"{library}-memory", tmp / "torch", env).results
-    ours = launch(f"{library}-memory", tmp / "memgather", {**env, **ON}).results
-    for a, b in zip(theirs, ours):
-        assert a["correct"] and b["correct"], (a, b)
+    through LIBRARY's call path ``path`` (job.py ``memory_paths``; None: its first), ``env``
+    added to the MEMGATHER=1 run. Every rank must have gathered correctly, and between them
+    the ranks must have checked every rank's piece. The MEMGATHER=1 run's dicts also hold
+    the rank's MEMGATHER_REPORT line ("report")."""
+    base = {"MEMGATHER_JOB_MIB": str(mib), **({"MEMGATHER_JOB_PATH": path} if path else {})}
+    out = tmp / re.sub(r"[^\w.]+", "_", path or "default")
+    theirs = launch(f"{library}-memory", out / "torch", base).results
+    run = launch(f"{library}-memory", out / "memgather", {**base, **ON, **(env or {})})
+    ours = [{**result, "report": run.reports[rank].line if rank in run.reports else None}
+            for rank, result in enumerate(run.results)]
+    for results in (theirs, ours):
+        assert all(rank["correct"] for rank in results), results
+        assert sorted({piece for rank in results for piece in rank["checked"]}) == list(range(len(results))), results
     return list(zip(theirs, ours))

@@ -6,16 +6,19 @@ dtype, shape and SHA-256 of each tensor the library returned, in order. Nothing
 here mentions memgather: the launcher's environment (``MEMGATHER=1`` through
 memgather's ``.pth``) decides whether it is on, exactly as for a user's job.
 ``LIBRARY-memory`` instead measures the peak resident-set growth of one gather
-of ``MEMGATHER_JOB_MIB`` MiB per rank through LIBRARY's code (``memory``).
+of ``MEMGATHER_JOB_MIB`` MiB per rank through one of LIBRARY's call paths,
+``MEMGATHER_JOB_PATH`` (``memory``, ``memory_paths``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -82,31 +85,84 @@ def accelerate_cases() -> Dict[str, Any]:
     return cases
 
 
-def _gather_once(library: str, tensor: torch.Tensor) -> Any:
-    """One gather of ``tensor`` through LIBRARY's own code, as in its scenarios above."""
+# --- memory: one big gather through each of a library's call paths (``LIBRARY-memory``) ---
+
+Pieces = Dict[int, Union[torch.Tensor, List[torch.Tensor]]]
+
+
+def memory_input(rank: int, numel: int) -> torch.Tensor:
+    """Rank ``rank``'s input to ``memory``'s gather: any rank can make it again, to check a gathered piece."""
+    return torch.rand(numel, generator=torch.Generator().manual_seed(7000 + rank))
+
+
+def flat_pieces(result: torch.Tensor, ranks: Optional[List[int]] = None) -> Pieces:
+    """The pieces of a concatenated result, by the rank each came from (``ranks``, in the result's order)."""
+    ranks = list(range(WORLD)) if ranks is None else ranks
+    return dict(zip(ranks, result.detach().reshape(-1).chunk(len(ranks))))
+
+
+def list_pieces(slots: Any) -> Pieces:
+    """The pieces of a list of slots (or of a stacked tensor's rows), slot ``r`` rank ``r``'s."""
+    return {rank: slot.detach().reshape(-1) for rank, slot in enumerate(slots)}
+
+
+def with_input(prepare: Callable[[torch.Tensor], Any]) -> Callable[[Callable[..., Pieces]], Callable[..., Pieces]]:
+    """Marks a path whose library call takes ``prepare(tensor)`` rather than the tensor: ``memory``
+    makes it before the measurement, so it is not counted (as the tensor is not)."""
+    def mark(gather: Callable[..., Pieces]) -> Callable[..., Pieces]:
+        gather.prepare = prepare  # type: ignore[attr-defined]
+        return gather
+    return mark
+
+
+def memory_paths(library: str) -> Dict[str, Callable[..., Pieces]]:
+    """LIBRARY's call paths for ``memory``, by the name the README gives each, its default first.
+
+    Each gathers its argument (this rank's tensor) through the library's own code, unedited,
+    and returns the pieces of the gathered result that the library hands this rank, by
+    the rank each came from: this rank's own among them wherever the library returns it.
+    A library whose scenarios live in ``job_<library>.py`` has its ``memory_paths()`` there.
+    """
     if library == "accelerate":
         from accelerate.utils import gather
 
-        return gather(tensor)
+        return {"utils.gather": lambda tensor: flat_pieces(gather(tensor))}
     if library == "transformers":
         from transformers.trainer_pt_utils import distributed_concat
 
-        return distributed_concat(tensor)
+        return {"distributed_concat": lambda tensor: flat_pieces(distributed_concat(tensor))}
     if library == "torchmetrics":
         from torchmetrics.utilities.distributed import gather_all_tensors
 
-        return gather_all_tensors(tensor)
+        return {"gather_all_tensors": lambda tensor: list_pieces(gather_all_tensors(tensor))}
     if library == "deepspeed":
         import deepspeed.comm as ds_comm
 
-        slots = [torch.empty_like(tensor) for _ in range(WORLD)]
-        ds_comm.all_gather(slots, tensor)
-        return slots
+        def fresh_slots(tensor: torch.Tensor) -> Pieces:
+            slots = [torch.empty_like(tensor) for _ in range(WORLD)]
+            ds_comm.all_gather(slots, tensor)
+            return list_pieces(slots)
+
+        return {"comm.all_gather": fresh_slots}
     if library == "open_clip":
         from open_clip.loss import gather_features
 
-        return gather_features(tensor, tensor, rank=RANK, world_size=WORLD)[0]
-    raise ValueError(library)
+        def features(with_grad: bool) -> Callable[[torch.Tensor], Pieces]:
+            def gather(tensor: torch.Tensor) -> Pieces:
+                # The tensor is both the image and the text features (not requiring grad): both are
+                # gathered and concatenated; the pieces are the image features'.
+                image, _ = gather_features(tensor, tensor, gather_with_grad=with_grad, rank=RANK, world_size=WORLD)
+                return flat_pieces(image)
+            return gather
+
+        return {"gather_features": features(False), "gather_features(gather_with_grad=True)": features(True)}
+    if library == "pytorch_metric_learning":
+        from pytorch_metric_learning.utils.distributed import all_gather as pml_all_gather
+
+        # It pops this rank's slot before its torch.cat: the result is the other ranks' rows, in rank order.
+        others = [rank for rank in range(WORLD) if rank != RANK]
+        return {"utils.distributed.all_gather": lambda tensor: flat_pieces(pml_all_gather(tensor), others)}
+    return own_module(library).memory_paths()
 
 
 def _join(library: str) -> Any:
@@ -119,26 +175,41 @@ def _join(library: str) -> Any:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    else:
+    elif library in SCENARIOS:
         dist.init_process_group("gloo")
+    else:
+        own_module(library).join()
     return None
 
 
 def memory(library: str) -> Dict[str, Any]:
-    """Peak RSS growth of one gather of MEMGATHER_JOB_MIB MiB per rank (the input is not counted)."""
+    """Peak RSS growth of one gather of MEMGATHER_JOB_MIB MiB per rank through LIBRARY's call path
+    MEMGATHER_JOB_PATH (``memory_paths``; its first by default), the input not counted.
+
+    Every piece of the result the path hands this rank is then checked against the input of
+    the rank it came from ("checked": those ranks); "paths" names all of LIBRARY's paths.
+    """
     from memgather import rss  # only to read the high-water mark: the gather is the library's own
 
     _join(library)
+    paths = memory_paths(library)
+    name = os.environ.get("MEMGATHER_JOB_PATH") or next(iter(paths))
+    if name not in paths:
+        raise SystemExit(f"{library} has no memory path {name!r}: {', '.join(paths)}")
+    gather = paths[name]
+    prepare: Callable[[torch.Tensor], Any] = getattr(gather, "prepare", lambda tensor: tensor)
     numel = int(os.environ.get("MEMGATHER_JOB_MIB", "196")) << 18
-    tensor = torch.rand(numel)
-    _gather_once(library, torch.rand(1 << 18))  # first-call costs are not the gather's
+    argument = prepare(memory_input(RANK, numel))
+    gather(prepare(memory_input(RANK, 1 << 18)))  # first-call costs are not the gather's
     dist.barrier()
     rss.reset_peak()
     before = rss.current_bytes()
-    result = _gather_once(library, tensor)
+    pieces = gather(argument)
     growth = rss.peak_bytes() - before
-    mine = result[RANK] if isinstance(result, (list, tuple)) else result[RANK * numel:(RANK + 1) * numel]
-    return {"growth": growth, "gathered": numel * 4 * WORLD, "correct": bool(torch.equal(mine, tensor))}
+    correct = all(torch.equal(torch.cat(piece) if isinstance(piece, list) else piece, memory_input(rank, numel))
+                  for rank, piece in pieces.items())
+    return {"path": name, "paths": list(paths), "growth": growth, "gathered": numel * 4 * WORLD,
+            "correct": correct, "checked": sorted(pieces)}
 
 
 # --- transformers: trainer_pt_utils.distributed_concat, nested as the Trainer uses it ---
@@ -318,13 +389,25 @@ SCENARIOS: Dict[str, Callable[[], Dict[str, Any]]] = {
 }
 
 
+def own_module(library: str) -> ModuleType:
+    """A library whose scenarios live in a module of their own, ``integration/job_<library>.py``.
+
+    It defines ``cases()`` (like the ``*_cases`` functions above), ``join()`` (joins the
+    job's process group as the library's users do) and ``memory_paths()`` (like
+    ``memory_paths`` here), and may use this module's helpers through ``import job``.
+    """
+    sys.modules.setdefault("job", sys.modules[__name__])  # this script is __main__: not imported twice
+    return importlib.import_module(f"job_{library}")
+
+
 def main() -> None:
     library, out_dir = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     if library.endswith("-memory"):
         result: Any = memory(library[:-len("-memory")])
     else:
-        result = {name: digest(value) for name, value in SCENARIOS[library]().items()}
+        cases = SCENARIOS[library] if library in SCENARIOS else own_module(library).cases
+        result = {name: digest(value) for name, value in cases().items()}
     dist.barrier()
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as out:
         json.dump(result, out, indent=1)

@@ -70,8 +70,9 @@ BUILTIN: Tuple[Target, ...] = (
     Target("pytorch_lightning", ("pytorch_lightning",), "pytorch_lightning", ">=2.0,<3", _LIGHTNING, "lightning"),
     Target("open_clip", ("open_clip",), "open_clip_torch", ">=2.0,<4",
            "gather_features: zeros_like slots, gathered[rank] = local, then torch.cat"),
-    Target("fairseq", ("fairseq",), "fairseq", ">=0.10,<1", "all_gather_list / distributed_utils: slots kept"),
-    Target("mmengine", ("mmengine",), "mmengine", ">=0.7,<1", "dist.all_gather: slots kept as a list"),
+    Target("mmengine", ("mmengine",), "mmengine", ">=0.7,<1",
+           "dist.all_gather: empty_like slots returned as a list; all_gather_object / collect_results(device='gpu'): "
+           "torch's all_gather_object (adjacent views of one buffer)"),
 )
 
 _BY_NAME: Dict[str, Tuple[Target, ...]] = {}

@@ -155,22 +155,6 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert ci.endswith(".venv/bin/python -m pytest && .venv/bin/tox -m ci")
 
 
-def test_every_integration_environment_has_its_test_and_label() -> None:
-    import configparser
-
-    tox = configparser.ConfigParser(interpolation=None)
-    tox.read(ROOT / "tox.ini")
-    envs = {name.split(":", 1)[1]: tox[name] for name in tox.sections() if name.startswith("testenv:")}
-    integration = {name: env for name, env in envs.items() if "integration" in env.get("labels", "")}
-    assert set(integration) == {"accelerate-0.23", "accelerate", "transformers", "torchmetrics", "deepspeed", "open_clip",
-                                "pytorch-metric-learning"}
-    for name, env in integration.items():
-        test_file = env["commands"].split()[-2]
-        assert (ROOT / test_file).is_file(), (name, test_file)
-        assert env["package"] == "wheel"  # memgather.pth installed as a user gets it
-    assert "ci" not in integration["open_clip"]["labels"]  # 5.5 GB of torch: by hand
-
-
 def test_every_torch_release_environment_is_a_measured_release() -> None:
     import configparser
 
@@ -186,7 +170,8 @@ def test_every_torch_release_environment_is_a_measured_release() -> None:
         pinned[name] = tuple(int(part) for part in torch_pin.split("==")[1].split(".")[:2])
         assert env["commands"] == "{[releases]commands}" and env["package"] == "wheel", name
     assert set(pinned.values()) == set(MEASURED)
-    assert "ci" in releases["torch2.13"]["labels"] and pinned["torch2.13"] == (2, 13)
+    assert pinned["torch2.13"] == (2, 13)
+    assert all("ci" not in env["labels"] for env in releases.values())  # the unit suite runs them on 2.13
 
 
 def test_bench_digest_needs_no_numpy() -> None:

@@ -1,0 +1,120 @@
+"""No drift between what the README promises, the target registry, tox.ini and the measured figures.
+
+Every built-in target is run by an integration environment whose job imports it;
+every integration environment is a row of the README's "Supported libraries" table,
+naming the releases that environment pins and the figures
+``integration/measure_memory.py --record`` wrote to ``integration/figures.json``; the
+README's "Targets" table is the registry's.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import re
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+
+from memgather import audits, targets
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+FIGURES = json.loads((ROOT / "integration" / "figures.json").read_text())
+# Top-level packages a pinned distribution ships besides its own name.
+SHIPS = {"pytorch-lightning": ("pytorch_lightning", "lightning_fabric"), "open_clip_torch": ("open_clip",)}
+NOT_THE_LIBRARY = ("pytest", "torch", "torchvision")
+
+
+def _environments() -> Dict[str, configparser.SectionProxy]:
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    return {name.split(":", 1)[1]: tox[name] for name in tox.sections()
+            if name.startswith("testenv:") and "integration" in tox[name].get("labels", "")}
+
+
+def _pins(env: configparser.SectionProxy) -> List[Tuple[str, str]]:
+    pins = [line.strip().split("==") for line in env["deps"].splitlines() if "==" in line]
+    return [(name, version) for name, version in pins if name not in NOT_THE_LIBRARY]
+
+
+def _job_source(env: configparser.SectionProxy) -> str:
+    """integration/job.py and the job module of the environment's test (job_<library>.py), if any."""
+    test = env["commands"].split()[-2]
+    own = ROOT / "integration" / Path(test).name.replace("test_", "job_")
+    return (ROOT / "integration" / "job.py").read_text() + (own.read_text() if own.is_file() else "")
+
+
+def _imports(source: str, top: str) -> bool:
+    """An import statement of ``top``, or its name quoted as __import__ / import_module take it."""
+    name = re.escape(top)
+    return bool(re.search(rf"^\s*(import|from) {name}[\s.]", source, re.MULTILINE)
+                or re.search(rf"[\"']{name}[\"'.]", source))
+
+
+def _table(heading: str) -> List[List[str]]:
+    section = README.split(f"\n{heading}\n", 1)[1]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("## ") or line.startswith("### "):
+            break
+        if line.startswith("| ") and not line.startswith("|---"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+    return rows[1:]  # the header
+
+
+def test_every_integration_environment_runs_its_test_from_a_wheel() -> None:
+    for name, env in _environments().items():
+        assert (ROOT / env["commands"].split()[-2]).is_file(), name
+        assert env["package"] == "wheel", name  # memgather.pth installed as a user gets it
+        torch_pin = next(line.strip() for line in env["deps"].splitlines() if line.strip().startswith("torch=="))
+        # .ci/run runs every one that shares the unit suite's torch; open_clip needs a 5.5 GB one.
+        assert ("ci" in env["labels"]) is (torch_pin == "torch==2.13.0"), name
+
+
+def test_every_builtin_target_is_run_by_an_integration_environment() -> None:
+    environments = _environments()
+    for target in targets.BUILTIN:
+        top = target.prefixes[0].split(".")[0]
+        running = [name for name, env in environments.items()
+                   if any(dist.replace("-", "_") == target.distribution.replace("-", "_") or top in SHIPS.get(dist, ())
+                          for dist, _ in _pins(env))
+                   and _imports(_job_source(env), top)]
+        assert running, f"no integration environment installs and imports {target.name}"
+
+
+def test_the_supported_libraries_table_is_the_environments_and_their_figures() -> None:
+    environments = _environments()
+    seen = set()
+    for row in _table("## Supported libraries"):
+        named = re.findall(r"`([^`]+)`", row[0])
+        assert named and all(name in environments for name in named), row[0]
+        seen.update(named)
+        versions = set(re.findall(r"\d+\.\d+\.\d+", row[1]))
+        pinned = {version for name in named for _, version in _pins(environments[name])[:1]}
+        assert pinned <= versions, (row[0], pinned, versions)
+        for name in named:
+            figures = FIGURES[name]
+            assert figures["version"] == _pins(environments[name])[0][1] and figures["mib"] == 196, name
+            for path in figures["paths"]:
+                cell = f"`{path['path']}`: {path['torch']:.3f} x -> {path['memgather']:.3f} x"
+                assert cell in row[-1], (name, cell, row[-1])
+    assert seen == set(environments) == set(FIGURES)
+
+
+def test_the_targets_table_is_the_registry() -> None:
+    rows = _table("### Targets")
+    assert [re.findall(r"`([^`]+)`", row[0])[0] for row in rows] == [t.name for t in targets.BUILTIN]
+    for row, target in zip(rows, targets.BUILTIN):
+        assert f"`{target.distribution}` `{target.versions}`" in row[2], row
+    for site in audits.AUDITED:
+        assert f"`{site.name}`: `{site.versions}`" in README, site.name
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_recorded_figures_are_whole(name: str) -> None:
+    figures = FIGURES[name]
+    assert figures["paths"] and figures["torch"] and figures["library"], name
+    for path in figures["paths"]:
+        assert path["torch"] > 0 and path["memgather"] > 0 and abs(path["ratio"] - path["memgather"] / path["torch"]) < 0.01, path
