@@ -223,7 +223,7 @@ def execute(program: Dict[str, Any]) -> Dict[str, Any]:
         try:
             _step(run, op)
         except Exception as error:  # noqa: BLE001 - an error is an observation like any other
-            run.log.append(("raised", tuple(op), type(error).__name__, str(error)))
+            run.log.append(("raised", tuple(op), type(error).__name__, _message(error)))
     final = {name: describe(run.tensor(name), values=True) for name in run.names()}
     final["input_grads"] = [describe(x.grad, values=True) for x in run.inputs]
     final["weight_grad"] = describe(run.weight.grad, values=True)
@@ -274,3 +274,11 @@ def _span(t: torch.Tensor) -> Tuple[int, int]:
 
 def _overlaps(a: Tuple[int, int], b: Tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1] and a != (0, 0) and b != (0, 0)
+
+
+def _message(error: BaseException) -> str:
+    """The error's message without the C++ backtrace some torch errors carry (unflatten's
+    re-raise quotes c10::Error's in full): its frames count the interpreter's C stack, which
+    any Python layer in between (another subclass's __torch_function__, memgather's) deepens."""
+    return str(error).split("\nException raised from ", 1)[0]
+
