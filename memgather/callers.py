@@ -27,7 +27,9 @@ import torch
 _PASSED = ("wrapt", "memgather", "torch.distributed", "torch.autograd.function")
 # Code objects carry their qualified name (co_qualname) from Python 3.11 on.
 HAS_QUALNAME = sys.version_info >= (3, 11)
-_MAX_FUNCTIONS = 8  # Functions applied inside Functions' forwards, followed at most
+# Appliers followed past Functions' forwards (a Function applied in another's forward, ...):
+# a bound on the walk, far above the two levels real code nests.
+_MAX_FUNCTIONS = 8
 
 
 @lru_cache(maxsize=4096)
@@ -51,7 +53,11 @@ def module_of(frame: FrameType) -> str:
 
 
 def calling_frame(frame: Optional[FrameType]) -> Tuple[Optional[FrameType], bool]:
-    """The first frame outside the plumbing, and whether ``frame`` itself was it."""
+    """The first frame outside the plumbing, and whether ``frame`` itself was it.
+
+    Verify mode names this frame in its errors; deciding whether to rewire goes on past
+    Functions' forwards (``calling_frames``).
+    """
     direct = True
     while frame is not None:
         if not passed_through(module_of(frame)):
@@ -75,7 +81,7 @@ def calling_frames(frame: Optional[FrameType]) -> Tuple[List[FrameType], bool]:
     found: List[FrameType] = []
     cacheable = True
     past_forward = False  # from here on torch's frames are the way to an applier
-    while frame is not None and len(found) <= _MAX_FUNCTIONS:
+    while frame is not None and len(found) < _MAX_FUNCTIONS:
         module = module_of(frame)
         if passed_through(module) or (past_forward and _in_torch(module)):
             past_forward = past_forward or runs_function_forward(frame)
@@ -83,10 +89,18 @@ def calling_frames(frame: Optional[FrameType]) -> Tuple[List[FrameType], bool]:
         else:
             found.append(frame)
             if not runs_function_forward(frame):
+                # A staticmethod forward without ctx may be a Function's applied through C
+                # another time: what one call found must not be cached for its code.
+                cacheable = cacheable and not _may_be_forward(frame.f_code)
                 break
             past_forward, cacheable = True, False
         frame = frame.f_back
     return found, cacheable
+
+
+def _may_be_forward(code: CodeType) -> bool:
+    """A function called ``forward`` whose first parameter is not ``self`` (a Module's is)."""
+    return code.co_name == "forward" and not (code.co_argcount and code.co_varnames[0] == "self")
 
 
 def runs_function_forward(frame: FrameType) -> bool:

@@ -213,14 +213,17 @@ def dispatch_mode_active() -> bool:
     return _dispatch_stack_length() > 0
 
 
-def await_release(tensors: List[torch.Tensor], timeout_s: float = 0.5) -> None:
+def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
     """Wait (bounded) until no C++ handle but Python's holds ``tensors``.
 
     A finished collective's work object is released by the backend's worker
     thread a moment after ``wait()`` returns. Until then it holds the output,
     which a storage use count taken at that moment would see as someone else's
     hold: memgather waits for it so that its own later proofs (a rebind of the
-    same slots, an elided cat) do not depend on a race.
+    same slots, an elided cat) do not depend on a race. ``tensors`` are tensors
+    memgather made for the collective, which no caller can hold, so the wait ends
+    when the worker lets go; the bound is generous because on a loaded 2-core
+    machine that took longer than half a second (elision was then refused).
     """
     if _tensor_use_count is None or not tensors or tensors[0].device.type != "cpu":
         return  # gloo's worker lets go within microseconds (up to tens of ms on a loaded machine);

@@ -173,10 +173,10 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
         return Reason.NOT_A_TENSOR
     if has_torch_function((tensor,)):
         return Reason.TORCH_FUNCTION
-    if compat.functorch_wrapped([tensor, *(tensor_list if type(tensor_list) is list else ())]):
-        return Reason.FUNCTORCH
     if compat.is_compiling():
         return Reason.COMPILING
+    if compat.functorch_wrapped([tensor, *(tensor_list if type(tensor_list) is list else ())]):
+        return Reason.FUNCTORCH
     if not dist.is_initialized():
         return Reason.NOT_INITIALIZED
     if compat.rank_not_in_group(group):

@@ -14,7 +14,6 @@ and one small collective. Async calls complete before they return.
 from __future__ import annotations
 
 import sys
-from types import FrameType
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -70,9 +69,7 @@ def _unravel(index: int, shape: Tuple[int, ...]) -> Tuple[int, ...]:
 
 def _site() -> str:
     """Where the verified call came from: 'module.function (file:line)'."""
-    frame: Optional[FrameType] = sys._getframe(1)
-    while frame is not None and callers.passed_through(frame.f_globals.get("__name__", "")):
-        frame = frame.f_back
+    frame, _ = callers.calling_frame(sys._getframe(1))
     if frame is None:
         return "unknown caller"
     code = frame.f_code

@@ -10,6 +10,7 @@ result's ``grad_fn`` type, the input's gradient.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -98,6 +99,33 @@ def test_gathers_inside_functions_follow_the_applier(pools: Any, world: int, eli
     # On a loaded machine gloo's worker can hold the buffer past memgather's bounded wait
     # (compat.await_release): elision is then refused, which is safe. Most must go through.
     assert elided >= expected / 2, (elided, expected)
+
+
+def direct_then_applied(ctx: Any) -> List[int]:
+    """A ctx-less forward called directly first (from here: not a target), then applied by the target."""
+    from tests.sites import functions
+
+    function = functions.local_setup_context()
+    x = torch.full((3,), float(ctx.rank))
+    counts = []
+    memgather.patch([TARGET])
+    try:
+        for call in (lambda: function.forward(x), lambda: _appliers(TARGET).apply(function, x),
+                     lambda: function.forward(x)):
+            memgather.reset_stats()
+            call()
+            counts.append(memgather.stats().rewired)
+    finally:
+        memgather.unpatch()
+    return counts
+
+
+def test_a_forward_called_directly_does_not_fix_the_decision_for_its_code(pools: Any) -> None:
+    # Where Function.apply is C (torch 2.14+) nothing tells this forward from a plain function,
+    # so its own module (not a target) is the caller: the documented limit (README).
+    applied = 1 if isinstance(inspect.getattr_static(torch.autograd.Function, "apply"), classmethod) else 0
+    for counts in unwrap(pools(2, **EAGER).run(direct_then_applied)):
+        assert counts == [0, applied, 0], counts
 
 
 def test_calling_frames_reach_the_applier_through_apply() -> None:

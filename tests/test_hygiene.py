@@ -25,7 +25,13 @@ def test_ten_thousand_gathers_keep_rss_flat(pools: Any, elide: bool) -> None:
 def test_buffers_die_with_their_last_holder(pools: Any, elide: bool) -> None:
     """No reference cycle keeps a buffer: with the cyclic GC off, it dies with its last holder.
     An elided result shares the buffer and keeps it alive; a copied one does not."""
-    for result in unwrap(pools(2).run(buffers_freed_without_gc, 12 * MIB, elide)):
+    for attempt in range(3):
+        results = unwrap(pools(2).run(buffers_freed_without_gc, 12 * MIB, elide))
+        # Elision is refused when its proofs cannot be made in time (a CI run once saw it on a
+        # loaded machine): safe, and not what this test is about, so that case is run again.
+        if all(result["shares"] is elide for result in results):
+            break
+    for result in results:
         assert result["strategy"] == ({"rebind": 1} if elide else {"in_slots": 1})
         assert result["shares"] is elide
         assert result["alive_with_result"] is elide

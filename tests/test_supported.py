@@ -39,18 +39,27 @@ def _pins(env: configparser.SectionProxy) -> List[Tuple[str, str]]:
     return [(name, version) for name, version in pins if name not in NOT_THE_LIBRARY]
 
 
-def _job_source(env: configparser.SectionProxy) -> str:
-    """integration/job.py and the job module of the environment's test (job_<library>.py), if any."""
+def _job_source(env: configparser.SectionProxy) -> Tuple[str, bool]:
+    """The job code of the environment's test, and whether it is a module of its own
+    (integration/job_<library>.py, which may import by name) or job.py (import statements only)."""
     test = env["commands"].split()[-2]
     own = ROOT / "integration" / Path(test).name.replace("test_", "job_")
-    return (ROOT / "integration" / "job.py").read_text() + (own.read_text() if own.is_file() else "")
+    if own.is_file():
+        return own.read_text(), True
+    return (ROOT / "integration" / "job.py").read_text(), False
 
 
-def _imports(source: str, top: str) -> bool:
-    """An import statement of ``top``, or its name quoted as __import__ / import_module take it."""
+def _imports(job: Tuple[str, bool], top: str) -> bool:
+    """An import statement of ``top``, or (in a job module of its own) its name quoted as
+    __import__ / import_module take it."""
+    source, own = job
     name = re.escape(top)
     return bool(re.search(rf"^\s*(import|from) {name}[\s.]", source, re.MULTILINE)
-                or re.search(rf"[\"']{name}[\"'.]", source))
+                or (own and re.search(rf"[\"']{name}[\"'.]", source)))
+
+
+def _torch(env: configparser.SectionProxy) -> str:
+    return next(line.strip() for line in env["deps"].splitlines() if line.strip().startswith("torch==")).split("==")[1]
 
 
 def _table(heading: str) -> List[List[str]]:
@@ -91,15 +100,23 @@ def test_the_supported_libraries_table_is_the_environments_and_their_figures() -
         named = re.findall(r"`([^`]+)`", row[0])
         assert named and all(name in environments for name in named), row[0]
         seen.update(named)
-        versions = set(re.findall(r"\d+\.\d+\.\d+", row[1]))
-        pinned = {version for name in named for _, version in _pins(environments[name])[:1]}
-        assert pinned <= versions, (row[0], pinned, versions)
+        # The releases named are exactly those the environments pin (and their torch, where not 2.13.0).
+        pinned = {version for name in named for _, version in _pins(environments[name])}
+        pinned |= {_torch(environments[name]) for name in named} - {"2.13.0"}
+        assert set(re.findall(r"\d+\.\d+\.\d+", row[1])) == pinned, (row[0], pinned, row[1])
+        cells = 0
         for name in named:
             figures = FIGURES[name]
-            assert figures["version"] == _pins(environments[name])[0][1] and figures["mib"] == 196, name
-            for path in figures["paths"]:
-                cell = f"`{path['path']}`: {path['torch']:.3f} x -> {path['memgather']:.3f} x"
-                assert cell in row[-1], (name, cell, row[-1])
+            env = environments[name]
+            assert figures["version"] == _pins(env)[0][1] and figures["mib"] == 196, name
+            assert figures["torch"].split("+")[0] == _torch(env), (name, figures["torch"])
+            text = "; ".join(f"`{path['path']}`: {path['torch']:.3f} x -> {path['memgather']:.3f} x ({path['ratio']:.3f})"
+                             for path in figures["paths"])
+            if len(named) > 1:  # one row for several releases: each figure says whose it is
+                text += f" on {figures['version']}"
+            assert text in row[-1], (name, text, row[-1])
+            cells += len(figures["paths"])
+        assert row[-1].count(" x -> ") == cells, row[-1]  # no figure in the row that figures.json lacks
     assert seen == set(environments) == set(FIGURES)
 
 
@@ -109,7 +126,7 @@ def test_the_targets_table_is_the_registry() -> None:
     for row, target in zip(rows, targets.BUILTIN):
         assert f"`{target.distribution}` `{target.versions}`" in row[2], row
     for site in audits.AUDITED:
-        assert f"`{site.name}`: `{site.versions}`" in README, site.name
+        assert f"`{site.name}`: `{site.versions}`; read {', '.join(site.read)}" in README, site.name
 
 
 @pytest.mark.parametrize("name", sorted(FIGURES))

@@ -36,6 +36,10 @@ def torch_nn(x: torch.Tensor) -> torch.Tensor:
     return torch.stack(dist_nn.all_gather(x))
 
 
+def apply(function: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat(function.apply(x))
+
+
 APPLIERS: Dict[str, Callable[[torch.Tensor], Any]] = {
     "gather_layer": gather_layer,
     "setup_context_gather": setup_context_gather,

@@ -64,6 +64,19 @@ def local_gather_layer() -> Any:
     return LocalGather
 
 
+def local_setup_context() -> Any:
+    """A setup_context-style Function defined inside a function: its forward takes no ctx."""
+
+    class LocalSetupContext(SetupContextGather):
+        @staticmethod
+        def forward(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:  # its own code, defined in here
+            output = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+            dist.all_gather(output, x)
+            return tuple(output)
+
+    return LocalSetupContext
+
+
 class Nested(torch.autograd.Function):
     """A Function whose forward applies another (GatherLayer) and concatenates."""
 
