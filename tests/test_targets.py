@@ -101,6 +101,16 @@ def test_unreadable_metadata_elsewhere_is_a_refusal_not_an_error(installed: Path
     assert not verdict.allowed and verdict.reason.startswith("cannot read the installed metadata of 'mg_fake_missing'")
 
 
+def test_gate_without_packages_distributions_reads_the_own_distribution(
+        installed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.9's importlib.metadata has no packages_distributions(): the own metadata still counts."""
+    from importlib import metadata
+
+    monkeypatch.delattr(metadata, "packages_distributions", raising=False)
+    verdict = targets.gate(Target("t", ("mg_fake_release",), "mg_fake_release", ">=1,<2"))
+    assert verdict.allowed and verdict.source == "distribution mg_fake_release", verdict
+
+
 def test_gate_reads_version_of_an_imported_module_without_metadata(installed: Path) -> None:
     (installed / "mg_fake_bare").mkdir()
     (installed / "mg_fake_bare" / "__init__.py").write_text("__version__ = '0.7.1'\n")
