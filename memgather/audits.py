@@ -71,7 +71,10 @@ AUDITED: Tuple[AuditedSite, ...] = (
     # `return torch.stack(gathered_tensors)`. fabric.all_gather, LightningModule.all_gather
     # and the DDP strategies' all_gather reach it. 2.0.x went through a helper of its own
     # (_functional_all_gather), a different caller: not covered. Nothing after 2.6.6 was read.
-    # Slots with history (sync_grads on an input that requires grad) are never elided.
+    # Slots with history (sync_grads on an input that requires grad) are never elided. What
+    # torch's Function does with its slots is not gated by torch release: the cat-time proof
+    # (elision._invisible) checks, whatever torch did, that the stacked tensors are exactly
+    # the gathered slots in order and that nothing else holds them or their buffer.
     AuditedSite("lightning_fabric.utilities.distributed", "_all_gather_ddp_if_available", "lightning_fabric",
                 ">=2.1.0,<=2.6.6", ("2.1.0", "2.2.0", "2.3.0", "2.4.0", "2.5.0", "2.6.6"),
                 "torch.distributed.nn's all_gather (empty_like slots), returns torch.stack(slots)"),
