@@ -52,10 +52,10 @@ def launch(library: str, out_dir: Path, env: Optional[Dict[str, str]] = None, wo
     if done.returncode != 0:
         raise AssertionError(f"{library} job failed (exit {done.returncode}):\n{output[-6000:]}")
     results = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
-    return Run(results, _reports(output), output)
+    return Run(results, reports(output), output)
 
 
-def _reports(output: str) -> Dict[int, Report]:
+def reports(output: str) -> Dict[int, Report]:
     reports = {}
     for line in output.splitlines():
         match = _REPORT.search(line.strip())

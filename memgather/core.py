@@ -207,7 +207,7 @@ def _plan(
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         return fallback(Reason.INPUT_NOT_CONTIGUOUS)
     chosen = plan(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here
-    if route is routes.BROADCAST and not chosen.rewires:
+    if route is not None and route.in_place and not chosen.rewires:
         chosen = fill_in_slots(tensor_list, tensor, info.rank, chosen)
     return chosen
 
@@ -256,7 +256,7 @@ def _rewire(
     elide: bool,
     verify: bool,
 ) -> Any:
-    if route is routes.BROADCAST and chosen is not DIRECT and not elide and not elision.any_given(tensor_list):
+    if route.in_place and chosen is not DIRECT and not elide and not elision.any_given(tensor_list):
         chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
     counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
     before = slots.versions(tensor_list)
@@ -279,10 +279,10 @@ def _write(
         elision.arm(tensor_list, region)
         work = routes.run(route, region, tensor, group, async_op)
         return work, slots.views(region, len(tensor_list), tensor.shape)
-    if route is routes.BROADCAST and chosen is not REBIND:
-        # Direct slots already are the views a broadcast fills, and in_slots ones are filled
-        # where they lie: either way the slots themselves are the destinations.
-        routes.broadcast_into(tensor_list, tensor, group)  # synchronous, as torch's with async_op=False
+    if route.in_place and chosen is not REBIND:
+        # Direct slots already are the views an in-place route fills, and in_slots ones are
+        # filled where they lie: either way the slots themselves are the destinations.
+        routes.fill(route, tensor_list, tensor, group)  # synchronous, as torch's with async_op=False
         return None, tensor_list
     if chosen is DIRECT:
         return routes.run(route, slots.region(tensor_list), tensor, group, async_op), tensor_list

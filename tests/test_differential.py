@@ -67,7 +67,7 @@ def _case_id(case: Dict[str, Any]) -> str:
     return f"w{case['world']}-{case['dtype']}-{shape}-{case['layout']}-{case['slots']}-{group}-{mode}"
 
 
-def expected(case: Dict[str, Any], member: bool, threshold: int) -> Dict[str, Any]:
+def expected(case: Dict[str, Any], member: bool, threshold: int, in_place: str = "broadcast") -> Dict[str, Any]:
     """What memgather must report for this case on one rank, rewiring gloo calls from ``threshold`` bytes per rank.
 
     Two capabilities of the running torch change the answer (test_releases checks
@@ -84,14 +84,14 @@ def expected(case: Dict[str, Any], member: bool, threshold: int) -> Dict[str, An
         return _fallback("backend")  # no route for an async gloo call on this torch
     if numel == 0:
         return _fallback("empty")
-    route = "single" if case["async"] else "broadcast"
+    route = "single" if case["async"] else in_place
     size = len(case["group"]) if case["group"] else case["world"]
     permuted = case["layout"] == "permuted" and sum(d > 1 for d in case["shape"]) > 1
     if case["slots"] not in FRESH:
         return {"strategy": "direct", "route": route}
     if size == 1 and not permuted:  # one fresh slot is trivially a region of its own
         return {"strategy": "direct", "route": route}
-    if route == "broadcast":  # broadcasts fill the caller's slots where they lie
+    if route != "single":  # broadcasts and the ring fill the caller's slots where they lie
         return _fallback("slot_not_contiguous") if permuted else {"strategy": "in_slots", "route": route}
     if not compat.can_prove_exclusive():
         return _fallback("cannot_prove_exclusive")
@@ -104,7 +104,10 @@ def _fallback(reason: str) -> Dict[str, Any]:
 
 # The default threshold leaves small gloo calls to torch; threshold 0 rewires every
 # call, so that every dtype and shape (0-d included) goes through the rewired paths.
-THRESHOLDS = {"default": ({}, BROADCAST_MIN_BYTES_PER_RANK), "eager": (EAGER, 0)}
+# "ring": every call rewired, as in a job torchrun started on two nodes (GROUP_WORLD_SIZE=2),
+# where sync gloo calls take the ring of point-to-point transfers instead of the broadcasts.
+THRESHOLDS = {"default": ({}, BROADCAST_MIN_BYTES_PER_RANK), "eager": (EAGER, 0),
+              "ring": ({**EAGER, "GROUP_WORLD_SIZE": "2"}, 0)}
 _results: Dict[Any, List[Any]] = {}
 
 
@@ -140,7 +143,7 @@ def test_matches_torch_bit_for_bit(pools: Any, case: Dict[str, Any], threshold: 
             # This torch rejects the call (gloo before 2.2 has no bfloat16): so must memgather.
             assert got["raised"][0] == got["raised"][1], f"rank {rank}: torch / memgather raised {got['raised']}"
             continue
-        want = expected(case, got["member"], THRESHOLDS[threshold][1])
+        want = expected(case, got["member"], THRESHOLDS[threshold][1], "ring" if threshold == "ring" else "broadcast")
         assert got["equal"], f"rank {rank}: gathered bytes differ from torch's"
         assert got["meta_equal"], f"rank {rank}: slot shapes or dtypes differ from torch's"
         assert got["identity_kept"], f"rank {rank}: the caller's tensor objects were replaced"

@@ -66,3 +66,12 @@ def test_gloo_single_tensor_support_by_torch_release(version: str, expected: boo
     from memgather import compat
 
     assert (compat._release(version) >= compat.GLOO_SINGLE_TENSOR_SINCE) is expected
+
+
+def test_gloo_sync_calls_take_the_ring_where_torchrun_says_the_job_spans_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, route in (("2", routes.RING), ("1", routes.BROADCAST), ("", routes.BROADCAST), ("x", routes.BROADCAST)):
+        monkeypatch.setenv("GROUP_WORLD_SIZE", value)
+        assert routes.choose("gloo", CPU, 8 * MIB, 2, False) is route, value
+    assert routes.choose("gloo", CPU, 8 * MIB, 2, True) is routes.SINGLE_STAGED  # async: no agreement round
+    assert routes.RING.needs_agreement and routes.RING.in_place and routes.RING.saves_temp
+

@@ -1,0 +1,67 @@
+"""One rank of a multi-host job (tests/test_multihost.py), started by torchrun inside a simulated host.
+
+``python -m torch.distributed.run --nnodes H --nproc_per_node P ... multihost_job.py OUT_DIR``:
+joins gloo, gathers ``MEMGATHER_JOB_MIB`` MiB per rank through every caller pattern of
+``memgather bench`` (memgather.patterns), and writes ``OUT_DIR/rank<R>.json``: per
+pattern, the SHA-256 of what the caller holds, the peak RSS growth and the seconds the
+gather took (the slowest rank's, after a barrier). Nothing here patches: MEMGATHER=1
+through memgather's .pth decides, as in a user's job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+
+def _digest(value: Any) -> str:
+    tensors = value if isinstance(value, list) else [value]
+    sha = hashlib.sha256()
+    for tensor in tensors:
+        sha.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def main() -> None:
+    from memgather import patterns, rss
+
+    out_dir = sys.argv[1]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    numel = int(float(os.environ.get("MEMGATHER_JOB_MIB", "4")) * (1 << 18))
+    module = patterns.load()
+    rss.track_allocations(True)  # freed blocks leave the resident set: each pattern's peak is its own
+    result: Dict[str, Any] = {"world": world, "host": os.environ.get("GLOO_SOCKET_IFNAME", "")}
+    for pattern in patterns.PATTERNS:
+        if pattern.name == "single_tensor":
+            continue  # torch's own single-tensor call: nothing for memgather to rewire
+        gather = getattr(module, pattern.name)
+        gather(torch.ones(1024))  # first-call costs are not the gather's
+        tensor = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+        dist.barrier()
+        rss.reset_peak()
+        before = rss.current_bytes()
+        start = time.perf_counter()
+        held = gather(tensor)
+        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        growth = rss.peak_bytes() - before
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        result[pattern.name] = {"sha256": _digest(held), "growth": growth / (numel * 4 * world),
+                                "seconds": float(seconds)}
+        del held
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
+        json.dump(result, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
