@@ -1,7 +1,8 @@
 """One small collective in which the ranks agree before a call (step 3).
 
-Each rank contributes a row of int64 metadata: whether its own plan rewires,
-whether its slots are even (all shaped like its input), its input's dtype and
+Each rank contributes a row of int64 metadata: whether its own plan rewires
+and by which route (the broadcasts and the ring are different wire protocols:
+every rank must take the same one), whether its slots are even (all shaped like its input), its input's dtype and
 shape. Every rank then reads the same table and reaches the same verdict, so
 either all ranks take the rewired path or none does, and an uneven gather is
 reported on every rank instead of hanging or returning garbage.
@@ -36,20 +37,23 @@ def agree(
     even: bool,
     world: int,
     check: bool,
+    route: int = 1,
 ) -> Optional[Reason]:
     """None when every rank may take the rewired path, else why not.
 
     ``gather_rows`` is the original list all_gather, run on ``group``. Raises
     ``UnevenShapesError`` when ``check`` is set, some rank's slots are even
-    and the ranks' inputs differ.
+    and the ranks' inputs differ. ``route`` is a code (> 0) for the route this rank
+    would take; ranks that would take different routes all fall back.
     """
-    rows = exchange(gather_rows, group, _encode(tensor, rewires, even), world)
+    rows = exchange(gather_rows, group, _encode(tensor, route if rewires else 0, even), world)
     uniform = all(_identity(r) == _identity(rows[0]) for r in rows)
     if not uniform:
         if check and any(r[1] for r in rows):
             raise UnevenShapesError([_decode(r) for r in rows])
         return Reason.UNEVEN_RANKS
-    return None if all(r[0] for r in rows) else Reason.PEER_FALLBACK
+    routes = {r[0] for r in rows}
+    return None if len(routes) == 1 and 0 not in routes else Reason.PEER_FALLBACK
 
 
 def exchange(gather_rows: Callable[..., Any], group: Any, row: torch.Tensor, world: int) -> List[List[int]]:
@@ -59,13 +63,13 @@ def exchange(gather_rows: Callable[..., Any], group: Any, row: torch.Tensor, wor
     return [r.tolist() for r in table]
 
 
-def _encode(tensor: torch.Tensor, rewires: bool, even: bool) -> torch.Tensor:
+def _encode(tensor: torch.Tensor, route: int, even: bool) -> torch.Tensor:
     shape = tuple(tensor.shape)
     if len(shape) <= _MAX_DIMS:
         dims = list(shape) + [0] * (_MAX_DIMS - len(shape))
     else:  # keep the leading dims readable, fold the rest into a hash (ints hash alike everywhere)
         dims = list(shape[: _MAX_DIMS - 1]) + [hash(shape) & 0x7FFFFFFFFFFFFFFF]
-    values = [int(rewires), int(even), _DTYPE_CODES.get(tensor.dtype, _UNKNOWN), len(shape)] + dims
+    values = [route, int(even), _DTYPE_CODES.get(tensor.dtype, _UNKNOWN), len(shape)] + dims
     return torch.tensor(values, dtype=torch.int64, device=tensor.device)
 
 

@@ -30,6 +30,7 @@ PROFILER_RANGE = "memgather::all_gather"
 
 _settings = config.Settings()
 _gloo_min_bytes = routes.gloo_threshold(None)
+_spans_hosts = False
 
 
 def configure(settings: Optional[config.Settings] = None) -> None:
@@ -39,9 +40,10 @@ def configure(settings: Optional[config.Settings] = None) -> None:
     what ``patch()`` was given reaches direct calls too; the per-call path
     itself reads no environment variable.
     """
-    global _settings, _gloo_min_bytes
+    global _settings, _gloo_min_bytes, _spans_hosts
     _settings = config.load() if settings is None else settings
     _gloo_min_bytes = routes.gloo_threshold(_settings.gloo_min_bytes)
+    _spans_hosts = routes.spans_hosts()
 
 
 configure()
@@ -106,7 +108,7 @@ def _all_gather(
         route = _route(tensor, info, gathered, async_op)
         chosen = _plan(route, tensor_list, tensor, info, gathered)
         if gathered is not None and (check or (route is not None and route.needs_agreement)):
-            chosen = _agree(chosen, tensor_list, tensor, group, world, check)
+            chosen = _agree(chosen, tensor_list, tensor, group, world, check, route)
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
     assert route is not None and gathered is not None  # a plan that rewires had both
@@ -194,7 +196,8 @@ def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
         return None
     device = tensor.device
     backend = routes.backend_for_device(info.backend, device)
-    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor())
+    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor(),
+                         _spans_hosts, tensor.dtype)
 
 
 def _plan(
@@ -228,9 +231,11 @@ def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:
     return total
 
 
-def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, world: int, check: bool) -> Plan:
+def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, world: int, check: bool,
+           route: Optional[routes.Route]) -> Plan:
     even = all(s.shape == tensor.shape and s.dtype == tensor.dtype for s in tensor_list)
-    verdict = agreement.agree(_original_all_gather, group, tensor, chosen.rewires, even, world, check)
+    code = 2 if route is routes.RING else 1  # a rank that would take the other in-place route takes none
+    verdict = agreement.agree(_original_all_gather, group, tensor, chosen.rewires, even, world, check, code)
     if verdict is None or not chosen.rewires:
         return chosen
     return fallback(verdict)

@@ -64,6 +64,14 @@ SINGLE_IN_PLACE = Route("single", saves_temp=True, needs_agreement=False, contig
 SINGLE_STAGED = Route("single", saves_temp=False, needs_agreement=False)
 BROADCAST = Route("broadcast", saves_temp=True, needs_agreement=True, in_place=True)
 RING = Route("ring", saves_temp=True, needs_agreement=True, in_place=True)
+# Accepted by gloo's collectives on every release memgather supports (complex ones are
+# sent as real views, as torch's all_gather sends them); bool and bfloat16 are not on
+# torch < 2.2, and int16 or unsigned ones on none.
+RING_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32,
+                          torch.int64, torch.complex64, torch.complex128))
+# The ring's transfers carry a tag of their own, so that a user's own isend / irecv in
+# flight on the same group (tag 0 by default) is never matched with memgather's.
+RING_TAG = 0x4D47
 # Below the gloo threshold: gloo stages every all-gather through a temporary,
 # so there is nothing to save, and memgather's own work would only add time.
 PASSTHROUGH = Route("torch", saves_temp=False, needs_agreement=False)
@@ -94,6 +102,8 @@ def choose(
     async_op: bool,
     gloo_min_bytes: Optional[int] = None,
     gloo_single: bool = True,
+    spans_hosts: bool = False,
+    dtype: Optional[torch.dtype] = None,
 ) -> Optional[Route]:
     """The route for this call, or None where no route is known to be safe.
 
@@ -102,7 +112,11 @@ def choose(
     choose alike. ``gloo_min_bytes`` (per rank; default
     ``BROADCAST_MIN_BYTES_PER_RANK``) is where gloo calls start to be rewired;
     ``gloo_single`` says whether this torch's gloo has the single-tensor
-    all-gather (``compat.gloo_has_single_tensor``).
+    all-gather (``compat.gloo_has_single_tensor``). ``spans_hosts``: whether the
+    job runs on more than one node (``spans_hosts()``, read by ``core.configure``);
+    ``dtype``: the input's, since the ring takes only dtypes every gloo release's
+    collectives accept (gloo's point-to-point transfers take any: the broadcasts
+    then keep torch's own "Invalid scalar type").
     """
     if backend == "gloo" and device.type == "cpu":
         if gathered_bytes < world * gloo_threshold(gloo_min_bytes):
@@ -111,7 +125,7 @@ def choose(
         # broadcasts would block a call that the caller expects to return at once.
         if async_op:
             return SINGLE_STAGED if gloo_single else None
-        return RING if spans_hosts() else BROADCAST
+        return RING if spans_hosts and (dtype is None or dtype in RING_DTYPES) else BROADCAST
     if backend == "nccl" and device.type == "cuda":
         return SINGLE_IN_PLACE
     if backend == "fake":  # torch's no-op test backend: used to time memgather itself
@@ -123,6 +137,8 @@ def spans_hosts() -> bool:
     """Whether torchrun started this job on more than one node (the same answer on every rank).
 
     Other launchers leave ``GROUP_WORLD_SIZE`` unset: the broadcasts then, as on one host.
+    Should ranks of one group answer differently (processes of different launchers in
+    one group), the agreement round sees two routes and every rank falls back.
     """
     value = os.environ.get("GROUP_WORLD_SIZE", "")
     return value.isdigit() and int(value) > 1
@@ -160,10 +176,9 @@ def ring_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group: Any
     ranks = _global_ranks(group, world)
     after, before = ranks[(rank + 1) % world], ranks[(rank - 1) % world]
     for step in range(world - 1):
-        works = [dist.isend(sent[(rank - step) % world], dst=after, group=group),
-                 dist.irecv(sent[(rank - step - 1) % world], src=before, group=group)]
+        works = [dist.isend(sent[(rank - step) % world], dst=after, group=group, tag=RING_TAG),
+                 dist.irecv(sent[(rank - step - 1) % world], src=before, group=group, tag=RING_TAG)]
         _wait_all(works)  # the next step sends what this one received
-        del works
     compat.await_release(sent)
 
 
@@ -202,6 +217,7 @@ def _wait_all(works: list) -> None:
             work.wait()
         except BaseException as error:  # noqa: BLE001 - re-raised below
             failure = failure or error
+    works.clear()  # memgather's hold on the outputs ends here, also when a traceback keeps the caller's frame
     if failure is not None:
         raise failure
 

@@ -82,7 +82,17 @@ def simulated_hosts(count: int, rate: Optional[str] = None) -> Iterator[Hosts]:
         yield Hosts(names, addresses, "eth0")
     finally:
         for name in reversed(made):
+            _kill_inside(name)  # torchrun's workers run in sessions of their own: an agent's kill misses them
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_TIMEOUT_S)
+
+
+def _kill_inside(namespace: str) -> None:
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=_TIMEOUT_S)
+    for pid in listed.stdout.split():
+        try:
+            os.kill(int(pid), 9)
+        except (ProcessLookupError, ValueError):
+            pass
 
 
 def _shape(namespace: str, device: str, rate: str) -> None:

@@ -14,8 +14,9 @@ import random
 from typing import Any, Dict, List
 
 import pytest
+import torch
 
-from memgather import compat
+from memgather import compat, routes
 from memgather.routes import BROADCAST_MIN_BYTES_PER_RANK
 from tests.conftest import EAGER, unwrap
 from tests.ranks import differential
@@ -84,6 +85,8 @@ def expected(case: Dict[str, Any], member: bool, threshold: int, in_place: str =
         return _fallback("backend")  # no route for an async gloo call on this torch
     if numel == 0:
         return _fallback("empty")
+    if in_place == "ring" and getattr(torch, case["dtype"]) not in routes.RING_DTYPES:
+        in_place = "broadcast"  # what gloo's collectives refuse on some release keeps their errors
     route = "single" if case["async"] else in_place
     size = len(case["group"]) if case["group"] else case["world"]
     permuted = case["layout"] == "permuted" and sum(d > 1 for d in case["shape"]) > 1

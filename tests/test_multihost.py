@@ -37,4 +37,5 @@ def test_two_hosts_identical_results_rewired_at_the_floor(tmp_path: Path) -> Non
     for report in lines.values():
         # Each pattern's 16 MiB gather rewired; its 4 KiB warm-up gather left to torch.
         assert report.rewired == len(REWIRABLE) and report.calls == 2 * len(REWIRABLE), report.line
+        assert f"routes: ring={len(REWIRABLE)};" in report.line, report.line  # across hosts: the ring
     assert not reports(runs["torch"]["output"])

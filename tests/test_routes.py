@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import pytest
 import torch
 
 from memgather import routes
+from tests.conftest import unwrap
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 MIB = 1 << 20
@@ -69,9 +72,39 @@ def test_gloo_single_tensor_support_by_torch_release(version: str, expected: boo
 
 
 def test_gloo_sync_calls_take_the_ring_where_torchrun_says_the_job_spans_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value, route in (("2", routes.RING), ("1", routes.BROADCAST), ("", routes.BROADCAST), ("x", routes.BROADCAST)):
+    for value, spans in (("2", True), ("1", False), ("", False), ("x", False)):
         monkeypatch.setenv("GROUP_WORLD_SIZE", value)
-        assert routes.choose("gloo", CPU, 8 * MIB, 2, False) is route, value
-    assert routes.choose("gloo", CPU, 8 * MIB, 2, True) is routes.SINGLE_STAGED  # async: no agreement round
+        assert routes.spans_hosts() is spans, value
+    assert routes.choose("gloo", CPU, 8 * MIB, 2, False, spans_hosts=True) is routes.RING
+    assert routes.choose("gloo", CPU, 8 * MIB, 2, False, spans_hosts=True, dtype=torch.complex64) is routes.RING
+    # gloo's collectives refuse these on some or all releases; its point-to-point transfers would not
+    for dtype in (torch.bool, torch.bfloat16, torch.int16):
+        assert routes.choose("gloo", CPU, 8 * MIB, 2, False, spans_hosts=True, dtype=dtype) is routes.BROADCAST
+    assert routes.choose("gloo", CPU, 8 * MIB, 2, True, spans_hosts=True) is routes.SINGLE_STAGED  # async
     assert routes.RING.needs_agreement and routes.RING.in_place and routes.RING.saves_temp
 
+
+
+def mixed_routes(ctx: Any) -> Dict[str, Any]:
+    """Rank 0 believes the job spans nodes, the others do not: they must not meet on two protocols."""
+    import os
+
+    import memgather
+    from memgather import core
+
+    os.environ["GROUP_WORLD_SIZE"] = "2" if ctx.rank == 0 else "1"
+    core.configure()
+    try:
+        memgather.reset_stats()
+        slots = [torch.empty(1 << 20) for _ in range(ctx.world)]
+        memgather.all_gather(slots, torch.full((1 << 20,), float(ctx.rank)))
+        correct = all(torch.equal(s, torch.full((1 << 20,), float(r))) for r, s in enumerate(slots))
+        return {"correct": correct, "fallbacks": dict(memgather.stats().fallbacks)}
+    finally:
+        os.environ.pop("GROUP_WORLD_SIZE", None)
+        core.configure()
+
+
+def test_ranks_that_would_take_different_routes_all_fall_back(pools: Any) -> None:
+    for result in unwrap(pools(2).run(mixed_routes)):
+        assert result == {"correct": True, "fallbacks": {"peer_fallback": 1}}, result
