@@ -6,7 +6,7 @@
 gloo bound to each host's own link (``GLOO_SOCKET_IFNAME``). Every process it
 starts is killed when the bounded wait ends.
 
-    python -m tests.multihost [--hosts 2] [--per-host 2] [--mib 4] [--rate 1gbit]
+    python -m tests.multihost [--hosts 2] [--per-host 2] [--mib 4] [--rate 1gbit] [--route broadcast]
 
 prints, per caller pattern, torch's and memgather's time and peak growth on
 such hosts (rate: the tbf rate of every link; latency is not simulated).
@@ -64,10 +64,13 @@ def launch(hosts: Hosts, per_host: int, out_dir: Path, env: Optional[Dict[str, s
     return {"results": results, "output": output}
 
 
-def compare(hosts: Hosts, per_host: int, tmp: Path, mib: float = 4) -> Dict[str, Dict[str, Any]]:
-    """The job under torch alone, then with MEMGATHER=1 (through memgather's .pth)."""
+def compare(hosts: Hosts, per_host: int, tmp: Path, mib: float = 4,
+            route: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+    """The job under torch alone, then with MEMGATHER=1 (through memgather's .pth); ``route``
+    "broadcast" makes memgather take the one-host route across hosts too (to measure it)."""
+    mine = {**ON, **({"MEMGATHER_JOB_ROUTE": route} if route else {})}
     return {mode: launch(hosts, per_host, tmp / mode, env, mib)
-            for mode, env in (("torch", {}), ("memgather", ON))}
+            for mode, env in (("torch", {}), ("memgather", mine))}
 
 
 def main() -> None:
@@ -76,9 +79,11 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=2)
     parser.add_argument("--mib", type=float, default=4, help="MiB per rank gathered")
     parser.add_argument("--rate", default=None, help="tbf rate of every link, e.g. 1gbit (default: unshaped)")
+    parser.add_argument("--route", choices=["broadcast"], default=None,
+                        help="make memgather take the one-host broadcasts across hosts too (default: its choice, the ring)")
     args = parser.parse_args()
     with simulated_hosts(args.hosts, args.rate) as hosts, tempfile.TemporaryDirectory() as tmp:
-        runs = compare(hosts, args.per_host, Path(tmp), args.mib)
+        runs = compare(hosts, args.per_host, Path(tmp), args.mib, args.route)
     theirs, mine = runs["torch"]["results"], runs["memgather"]["results"]
     print(f"{args.hosts} hosts x {args.per_host} ranks, {args.mib:g} MiB per rank, link {args.rate or 'unshaped veth'}")
     print(f"{'pattern':<18} {'torch s':>8} {'memgather s':>12} {'time x':>7} {'torch peak':>11} {'memgather peak':>15}")

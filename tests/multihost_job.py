@@ -34,6 +34,11 @@ def main() -> None:
 
     out_dir = sys.argv[1]
     torch.set_num_threads(1)
+    if os.environ.get("MEMGATHER_JOB_ROUTE") == "broadcast":  # measure the one-host route across hosts
+        from memgather import core
+
+        os.environ["GROUP_WORLD_SIZE"] = "1"
+        core.configure()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = int(float(os.environ.get("MEMGATHER_JOB_MIB", "4")) * (1 << 18))
