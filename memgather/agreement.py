@@ -2,10 +2,11 @@
 
 Each rank contributes a row of int64 metadata: whether its own plan rewires
 and by which route (the broadcasts and the ring are different wire protocols:
-every rank must take the same one), whether its slots are even (all shaped like its input), its input's dtype and
-shape. Every rank then reads the same table and reaches the same verdict, so
-either all ranks take the rewired path or none does, and an uneven gather is
-reported on every rank instead of hanging or returning garbage.
+every rank must take the same one), whether its slots are even (all shaped
+like its input), its input's dtype and shape. Every rank then reads the same
+table and reaches the same verdict, so either all ranks take the rewired path
+or none does, and an uneven gather is reported on every rank instead of
+hanging or returning garbage.
 """
 
 from __future__ import annotations

@@ -32,8 +32,6 @@ def measure(calls: int = 20000, rounds: int = 7) -> Dict[str, float]:
     import wrapt
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import memgather
-
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     tensor = torch.ones(1024)
@@ -53,24 +51,29 @@ def measure(calls: int = 20000, rounds: int = 7) -> Dict[str, float]:
         results["bare wrapper"] = _time(lambda: _user_call(tensor), calls, rounds)
     finally:
         dist.all_gather = original
-    memgather.patch(["memgather_overhead_no_such_target"])
-    results["non-target"] = _time(lambda: _user_call(tensor), calls, rounds)
-    memgather.patch(["*"])
-    memgather.reset_stats()
-    results["rewired"] = _time(lambda: _user_call(tensor), calls, rounds)
-    rewired = memgather.stats().rewired
-    memgather.unpatch()
+    rewired = _patched(results, "", lambda: _user_call(tensor), "*", calls, rounds)
     results["Function: torch"] = _time(lambda: _user_function(tensor), calls, rounds)
-    memgather.patch(["memgather_overhead_no_such_target"])
-    results["Function: non-target"] = _time(lambda: _user_function(tensor), calls, rounds)
-    memgather.patch(["memgather_bench_user"])
-    memgather.reset_stats()
-    results["Function: rewired"] = _time(lambda: _user_function(tensor), calls, rounds)
-    through_function = memgather.stats().rewired
-    memgather.unpatch()
+    through_function = _patched(results, "Function: ", lambda: _user_function(tensor), "memgather_bench_user",
+                                calls, rounds)
     if rewired == 0 or through_function == 0:
         raise RuntimeError("a rewired variant was not rewired; its timing would be meaningless")
     return results
+
+
+def _patched(results: Dict[str, float], label: str, call: Callable[[], Any], target: str, calls: int,
+             rounds: int) -> int:
+    """Time ``call`` patched for another target ("non-target"), then for ``target`` ("rewired");
+    returns how many calls the latter rewired."""
+    import memgather
+
+    memgather.patch(["memgather_overhead_no_such_target"])
+    results[label + "non-target"] = _time(call, calls, rounds)
+    memgather.patch([target])
+    memgather.reset_stats()
+    results[label + "rewired"] = _time(call, calls, rounds)
+    rewired = memgather.stats().rewired
+    memgather.unpatch()
+    return rewired
 
 
 # What user code does: fresh slots, and dist.all_gather looked up at call time,

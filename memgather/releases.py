@@ -10,14 +10,14 @@ imported.
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Union
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 
@@ -37,8 +37,10 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Installed:
-    """A release found installed, and where its version was read."""
+    """A release found installed: of what (the distribution, or the top-level package when
+    the version came from elsewhere), and where its version was read."""
 
+    name: str
     version: str
     source: str
 
@@ -62,7 +64,8 @@ def _installed(distribution: str, module: Optional[str]) -> Union[Installed, str
     except metadata.PackageNotFoundError:
         own = None
     try:
-        shipping = [name for name in _shipped_by().get(top, []) if _normal(name) != _normal(distribution)] if top else []
+        own_name = canonicalize_name(distribution)
+        shipping = [name for name in _shipped_by().get(top, []) if canonicalize_name(name) != own_name] if top else []
         versions = {name: metadata.version(name) for name in shipping}
     except Exception:  # noqa: BLE001 - another package's broken metadata: the library's own still counts
         if own is None:
@@ -75,18 +78,13 @@ def _installed(distribution: str, module: Optional[str]) -> Union[Installed, str
         return (f"the distributions that ship {top} disagree on its version: "
                 f"{', '.join(f'{name} {version}' for name, version in sorted(versions.items()))}")
     if own is not None:
-        return Installed(own, f"distribution {distribution}")
+        return Installed(distribution, own, f"distribution {distribution}")
     if versions:
-        return Installed(next(iter(versions.values())), f"distribution {', '.join(shipping)}, which ships {top}")
+        return Installed(top, next(iter(versions.values())), f"distribution {', '.join(shipping)}, which ships {top}")
     own_version = getattr(sys.modules.get(top), "__version__", None) if top else None  # never imported here
     if isinstance(own_version, str):
-        return Installed(own_version, f"{top}.__version__")
+        return Installed(top, own_version, f"{top}.__version__")
     return f"distribution {distribution!r} is not installed"
-
-
-def _normal(name: str) -> str:
-    """A distribution name as PEP 503 compares them."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def verdict(distribution: str, versions: str, what: str, module: Optional[str] = None) -> Verdict:
@@ -98,14 +96,13 @@ def verdict(distribution: str, versions: str, what: str, module: Optional[str] =
     found = installed(distribution, module)
     if isinstance(found, str):
         return Verdict(False, None, found)
-    name = distribution if found.source == f"distribution {distribution}" else (module or distribution).split(".")[0]
     try:
         inside = SpecifierSet(versions).contains(Version(found.version), prereleases=True)
     except (InvalidVersion, InvalidSpecifier) as error:
         return Verdict(False, found.version, f"cannot compare version {found.version!r}: {error}", found.source)
     if inside:
-        return Verdict(True, found.version, f"{name} {found.version} is inside {versions or 'any'}", found.source)
-    return Verdict(False, found.version, f"{name} {found.version} is outside the {what} {versions}", found.source)
+        return Verdict(True, found.version, f"{found.name} {found.version} is inside {versions or 'any'}", found.source)
+    return Verdict(False, found.version, f"{found.name} {found.version} is outside the {what} {versions}", found.source)
 
 
 def imported(module: str) -> bool:
@@ -130,5 +127,3 @@ def forget() -> None:
     """Drop what was read (tests install and remove metadata)."""
     _shipped_by.cache_clear()
 
-
-__all__: Tuple[str, ...] = ("Installed", "Verdict", "installed", "verdict", "imported", "forget")

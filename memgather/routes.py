@@ -203,8 +203,7 @@ def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group
     sent = _prepare(destinations, tensor, rank)
     ranks = _global_ranks(group, len(destinations))
     works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(sent)]
-    _wait_all(works)
-    del works  # memgather's own hold on the outputs
+    _wait_all(works)  # which also drops memgather's own hold on the outputs
     compat.await_release(sent)
 
 

@@ -15,6 +15,14 @@ import torch
 import torch.distributed as dist
 
 
+def _own_gradient(grads: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """GatherLayer's backward: every rank's gradients summed, this rank's part kept."""
+    all_gradients = torch.stack(grads)
+    dist.all_reduce(all_gradients)
+    return all_gradients[dist.get_rank()]
+
+
+# Each forward calls dist.all_gather itself: a helper doing it would be the caller.
 class GatherLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -24,9 +32,7 @@ class GatherLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:
-        all_gradients = torch.stack(grads)
-        dist.all_reduce(all_gradients)
-        return all_gradients[dist.get_rank()]
+        return _own_gradient(grads)
 
 
 class SetupContextGather(torch.autograd.Function):
@@ -42,24 +48,16 @@ class SetupContextGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:
-        all_gradients = torch.stack(grads)
-        dist.all_reduce(all_gradients)
-        return all_gradients[dist.get_rank()]
+        return _own_gradient(grads)
 
 
 def local_gather_layer() -> Any:
-    class LocalGather(torch.autograd.Function):
+    class LocalGather(GatherLayer):
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        def forward(ctx: Any, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:  # its own code, defined in here
             output = [torch.empty_like(x) for _ in range(dist.get_world_size())]
             dist.all_gather(output, x)
             return tuple(output)
-
-        @staticmethod
-        def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:
-            all_gradients = torch.stack(grads)
-            dist.all_reduce(all_gradients)
-            return all_gradients[dist.get_rank()]
 
     return LocalGather
 
