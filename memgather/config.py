@@ -9,6 +9,7 @@
 | ``MEMGATHER_VERIFY`` | boolean | check every rewired call against the original all_gather (test runs) |
 | ``MEMGATHER_ELIDE`` | unset, boolean | cat elision: unset = audited targets only, 1 = every rewired call, 0 = never |
 | ``MEMGATHER_GLOO_MIN_BYTES`` | bytes per rank | gloo calls below this are left to torch (default 2 MiB; 0 rewires all) |
+| ``MEMGATHER_GLOO_ROUTE`` | ``auto``, ``broadcast``, ``ring`` | in-place route of large gloo calls (auto: the ring where the group spans hosts) |
 | ``MEMGATHER_HUGE_PAGES`` | boolean, default on | huge-page advice on large CPU buffers memgather fills |
 | ``MEMGATHER_LOG`` | a logging level name | log memgather's messages at that level to stderr |
 | ``MEMGATHER_REPORT`` | ``1``/``rank0``, ``all``, ``0`` | statistics at exit: rank 0 only, or every rank |
@@ -23,6 +24,7 @@ from typing import Mapping, Optional, Tuple
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+GLOO_ROUTES = ("auto", "broadcast", "ring")
 _REPORTS = {"": "off", "0": "off", "off": "off", "1": "rank0", "rank0": "rank0", "all": "all"}
 
 
@@ -40,6 +42,7 @@ class Settings:
     huge_pages: bool = True
     log_level: Optional[int] = None
     report: str = "off"
+    gloo_route: str = "auto"
 
 
 def parse_bool(name: str, value: str) -> bool:
@@ -68,6 +71,7 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
         huge_pages=parse_bool("MEMGATHER_HUGE_PAGES", env.get("MEMGATHER_HUGE_PAGES", "1")),
         log_level=_parse_level(env.get("MEMGATHER_LOG", "")),
         report=_parse_report(env.get("MEMGATHER_REPORT", "")),
+        gloo_route=_parse_gloo_route(env.get("MEMGATHER_GLOO_ROUTE", "")),
     )
 
 
@@ -101,6 +105,13 @@ def _parse_report(value: str) -> str:
     if key not in _REPORTS:
         raise ValueError(f"MEMGATHER_REPORT={value!r}: use 1 (rank 0), all (every rank) or 0")
     return _REPORTS[key]
+
+
+def _parse_gloo_route(value: str) -> str:
+    route = value.strip().lower() or "auto"
+    if route not in GLOO_ROUTES:
+        raise ValueError(f"MEMGATHER_GLOO_ROUTE={value!r}: use auto, broadcast or ring")
+    return route
 
 
 def export(

@@ -30,7 +30,6 @@ PROFILER_RANGE = "memgather::all_gather"
 
 _settings = config.Settings()
 _gloo_min_bytes = routes.gloo_threshold(None)
-_spans_hosts = False
 
 
 def configure(settings: Optional[config.Settings] = None) -> None:
@@ -40,10 +39,9 @@ def configure(settings: Optional[config.Settings] = None) -> None:
     what ``patch()`` was given reaches direct calls too; the per-call path
     itself reads no environment variable.
     """
-    global _settings, _gloo_min_bytes, _spans_hosts
+    global _settings, _gloo_min_bytes
     _settings = config.load() if settings is None else settings
     _gloo_min_bytes = routes.gloo_threshold(_settings.gloo_min_bytes)
-    _spans_hosts = routes.spans_hosts()
 
 
 configure()
@@ -108,7 +106,7 @@ def _all_gather(
         route = _route(tensor, info, gathered, async_op)
         chosen = _plan(route, tensor_list, tensor, info, gathered)
         if gathered is not None and (check or (route is not None and route.needs_agreement)):
-            chosen = _agree(chosen, tensor_list, tensor, group, world, check, route)
+            chosen, route = _agree(chosen, tensor_list, tensor, group, world, check, route)
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
     assert route is not None and gathered is not None  # a plan that rewires had both
@@ -196,8 +194,7 @@ def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
         return None
     device = tensor.device
     backend = routes.backend_for_device(info.backend, device)
-    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor(),
-                         _spans_hosts, tensor.dtype)
+    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor())
 
 
 def _plan(
@@ -232,13 +229,17 @@ def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:
 
 
 def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, world: int, check: bool,
-           route: Optional[routes.Route]) -> Plan:
+           route: Optional[routes.Route]) -> Tuple[Plan, Optional[routes.Route]]:
+    """The plan every rank follows, and the route, settled from what every rank read alike."""
     even = all(s.shape == tensor.shape and s.dtype == tensor.dtype for s in tensor_list)
-    code = 2 if route is routes.RING else 1  # a rank that would take the other in-place route takes none
+    # Ranks set to different in-place routes would meet on two wire protocols: all take none.
+    code = config.GLOO_ROUTES.index(_settings.gloo_route) + 1 if route is not None and route.in_place else 1
     verdict = agreement.agree(_original_all_gather, group, tensor, chosen.rewires, even, world, check, code)
-    if verdict is None or not chosen.rewires:
-        return chosen
-    return fallback(verdict)
+    if route is not None:
+        route = routes.settle(route, _settings.gloo_route, verdict.spans_hosts, tensor.dtype)
+    if verdict.reason is None or not chosen.rewires:
+        return chosen, route
+    return fallback(verdict.reason), route
 
 
 def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:

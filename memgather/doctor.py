@@ -65,7 +65,7 @@ def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None
     else:
         gloo_async = f"async ones stay with torch (gloo has no single-tensor all-gather before torch {since})"
     return {
-        "gloo": f"sync calls from {threshold} per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into the slots (across nodes, GROUP_WORLD_SIZE > 1: a ring of point-to-point transfers); {gloo_async}",
+        "gloo": f"sync calls from {threshold} per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into the slots (a group whose ranks run on more than one host: a ring of point-to-point transfers; MEMGATHER_GLOO_ROUTE); {gloo_async}",
         "nccl": f"{primitive} into one buffer: views of it written in place, fresh slots {fresh}",
         "mpi": "every call stays with torch",
         "ucc": "every call stays with torch",

@@ -151,9 +151,9 @@ def _gathers(flat: Any, world: int) -> Dict[str, Callable[[Any], None]]:
         primitive(flat, tensor)
 
     def broadcast(tensor: Any) -> None:
-        verdict = agreement.agree(gather_rows, None, tensor, True, True, world, False)
-        if verdict is not None:
-            raise RuntimeError(f"the ranks did not agree on the broadcast route: {verdict.value}")
+        reason = agreement.agree(gather_rows, None, tensor, True, True, world, False).reason
+        if reason is not None:
+            raise RuntimeError(f"the ranks did not agree on the broadcast route: {reason.value}")
         routes.broadcast_into(destinations, tensor, None)
 
     return {"single": single, "broadcast": broadcast}

@@ -11,14 +11,15 @@ Three routes exist:
   buffer. Gloo broadcasts in place, so nothing but the output is allocated.
   It is a different wire protocol, so every rank must take it or none: the
   caller agrees with the other ranks first (see ``agreement``).
-- ``ring``: where the job spans hosts, gloo's broadcasts (a tree over rank
-  numbers) cross the host boundary several times per gather, and measured 1.8
-  to 3.5 x torch's time over a 1 Gbit/s link (tests/multihost.py). The ring
+- ``ring``: across hosts, gloo's broadcasts (a tree over rank numbers)
+  cross the host boundary several times per gather, and measured 1.8 to
+  3.5 x torch's time over a 1 Gbit/s link (tests/multihost.py). The ring
   sends each rank's part around the ranks with point-to-point transfers
   straight into the destinations: as many bytes cross each link as in gloo's
-  own ring all-gather, and nothing but the output is allocated. Taken when
-  torchrun says the job has more than one node (``GROUP_WORLD_SIZE``, the
-  same on every rank); like the broadcasts, every rank must take it or none.
+  own ring all-gather, and nothing but the output is allocated. Which of the
+  two in-place routes a call takes is settled after the agreement round,
+  from the host keys every rank read alike (``settle``): the ring where the
+  group's ranks run on more than one host, else the broadcasts.
 
 Gloo threshold. Broadcasts are taken from 2 MiB per rank; they save the
 gathered size in memory. ``memgather bench --routes`` (``--world-size 4``
@@ -102,8 +103,6 @@ def choose(
     async_op: bool,
     gloo_min_bytes: Optional[int] = None,
     gloo_single: bool = True,
-    spans_hosts: bool = False,
-    dtype: Optional[torch.dtype] = None,
 ) -> Optional[Route]:
     """The route for this call, or None where no route is known to be safe.
 
@@ -112,11 +111,8 @@ def choose(
     choose alike. ``gloo_min_bytes`` (per rank; default
     ``BROADCAST_MIN_BYTES_PER_RANK``) is where gloo calls start to be rewired;
     ``gloo_single`` says whether this torch's gloo has the single-tensor
-    all-gather (``compat.gloo_has_single_tensor``). ``spans_hosts``: whether the
-    job runs on more than one node (``spans_hosts()``, read by ``core.configure``);
-    ``dtype``: the input's, since the ring takes only dtypes every gloo release's
-    collectives accept (gloo's point-to-point transfers take any: the broadcasts
-    then keep torch's own "Invalid scalar type").
+    all-gather (``compat.gloo_has_single_tensor``). Large synchronous gloo calls
+    get ``BROADCAST``, which ``settle`` may turn into the ring once the ranks agreed.
     """
     if backend == "gloo" and device.type == "cpu":
         if gathered_bytes < world * gloo_threshold(gloo_min_bytes):
@@ -125,7 +121,7 @@ def choose(
         # broadcasts would block a call that the caller expects to return at once.
         if async_op:
             return SINGLE_STAGED if gloo_single else None
-        return RING if spans_hosts and (dtype is None or dtype in RING_DTYPES) else BROADCAST
+        return BROADCAST
     if backend == "nccl" and device.type == "cuda":
         return SINGLE_IN_PLACE
     if backend == "fake":  # torch's no-op test backend: used to time memgather itself
@@ -133,15 +129,19 @@ def choose(
     return None
 
 
-def spans_hosts() -> bool:
-    """Whether torchrun started this job on more than one node (the same answer on every rank).
+def settle(route: Route, setting: str, spans_hosts: bool, dtype: torch.dtype) -> Route:
+    """The in-place route every rank takes, from what all of them read alike in the agreement round.
 
-    Other launchers leave ``GROUP_WORLD_SIZE`` unset: the broadcasts then, as on one host.
-    Should ranks of one group answer differently (processes of different launchers in
-    one group), the agreement round sees two routes and every rank falls back.
+    ``setting`` is ``MEMGATHER_GLOO_ROUTE`` (auto, broadcast or ring; the ranks
+    agreed it is the same everywhere), ``spans_hosts`` whether the group's host
+    keys differ. The ring takes only dtypes every gloo release's collectives accept
+    (gloo's point-to-point transfers take any: the broadcasts then keep torch's
+    own "Invalid scalar type").
     """
-    value = os.environ.get("GROUP_WORLD_SIZE", "")
-    return value.isdigit() and int(value) > 1
+    if route is not BROADCAST:
+        return route
+    ring = setting == "ring" or (setting == "auto" and spans_hosts)
+    return RING if ring and dtype in RING_DTYPES else BROADCAST
 
 
 def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, async_op: bool) -> Any:

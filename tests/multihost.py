@@ -68,7 +68,7 @@ def compare(hosts: Hosts, per_host: int, tmp: Path, mib: float = 4,
             route: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
     """The job under torch alone, then with MEMGATHER=1 (through memgather's .pth); ``route``
     "broadcast" makes memgather take the one-host route across hosts too (to measure it)."""
-    mine = {**ON, **({"MEMGATHER_JOB_ROUTE": route} if route else {})}
+    mine = {**ON, **({"MEMGATHER_GLOO_ROUTE": route} if route else {})}
     return {mode: launch(hosts, per_host, tmp / mode, env, mib)
             for mode, env in (("torch", {}), ("memgather", mine))}
 

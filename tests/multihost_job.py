@@ -29,16 +29,27 @@ def _digest(value: Any) -> str:
     return sha.hexdigest()
 
 
+def _gather_on_own_host(numel: int) -> Dict[str, Any]:
+    """One gather on a group of this host's ranks only (torchrun numbers a node's ranks
+    consecutively): whether it is right, and the route memgather took."""
+    import memgather
+
+    own_host, _ = dist.new_subgroups(group_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+    local, size = dist.get_rank(own_host), dist.get_world_size(own_host)
+    before = dict(memgather.stats().by_route)
+    slots = [torch.empty(numel) for _ in range(size)]
+    memgather.all_gather(slots, torch.full((numel,), float(dist.get_rank())), group=own_host)
+    first = dist.get_rank() - local
+    correct = all(torch.equal(s, torch.full((numel,), float(first + i))) for i, s in enumerate(slots))
+    after = memgather.stats().by_route
+    return {"correct": correct, "routes": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}}
+
+
 def main() -> None:
     from memgather import patterns, rss
 
     out_dir = sys.argv[1]
     torch.set_num_threads(1)
-    if os.environ.get("MEMGATHER_JOB_ROUTE") == "broadcast":  # measure the one-host route across hosts
-        from memgather import core
-
-        os.environ["GROUP_WORLD_SIZE"] = "1"
-        core.configure()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = int(float(os.environ.get("MEMGATHER_JOB_MIB", "4")) * (1 << 18))
@@ -62,6 +73,8 @@ def main() -> None:
         result[pattern.name] = {"sha256": _digest(held), "growth": growth / (numel * 4 * world),
                                 "seconds": float(seconds)}
         del held
+    if os.environ.get("MEMGATHER") == "1":
+        result["per_host_group"] = _gather_on_own_host(numel)
     dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
         json.dump(result, out)

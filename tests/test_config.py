@@ -26,9 +26,9 @@ def test_every_variable_parses() -> None:
     settings = config.load({
         "MEMGATHER": "1", "MEMGATHER_TARGETS": "accelerate, moco,", "MEMGATHER_CHECK": "yes", "MEMGATHER_FORCE": "1",
         "MEMGATHER_VERIFY": "on", "MEMGATHER_ELIDE": "0", "MEMGATHER_GLOO_MIN_BYTES": "0", "MEMGATHER_HUGE_PAGES": "off",
-        "MEMGATHER_LOG": "debug", "MEMGATHER_REPORT": "all",
+        "MEMGATHER_LOG": "debug", "MEMGATHER_REPORT": "all", "MEMGATHER_GLOO_ROUTE": " Ring ",
     })
-    assert settings == config.Settings(True, ("accelerate", "moco"), True, True, True, False, 0, False, 10, "all")
+    assert settings == config.Settings(True, ("accelerate", "moco"), True, True, True, False, 0, False, 10, "all", "ring")
 
 
 @pytest.mark.parametrize("name,value,message", [
@@ -36,6 +36,7 @@ def test_every_variable_parses() -> None:
     ("MEMGATHER_GLOO_MIN_BYTES", "2MiB", "MEMGATHER_GLOO_MIN_BYTES='2MiB' is not a number of bytes"),
     ("MEMGATHER_REPORT", "loud", "MEMGATHER_REPORT='loud': use 1 (rank 0), all (every rank) or 0"),
     ("MEMGATHER_LOG", "LOUD", "MEMGATHER_LOG='LOUD' is not a logging level"),
+    ("MEMGATHER_GLOO_ROUTE", "tree", "MEMGATHER_GLOO_ROUTE='tree': use auto, broadcast or ring"),
 ])
 def test_bad_values_name_the_variable(name: str, value: str, message: str) -> None:
     with pytest.raises(ValueError) as error:

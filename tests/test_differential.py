@@ -107,10 +107,10 @@ def _fallback(reason: str) -> Dict[str, Any]:
 
 # The default threshold leaves small gloo calls to torch; threshold 0 rewires every
 # call, so that every dtype and shape (0-d included) goes through the rewired paths.
-# "ring": every call rewired, as in a job torchrun started on two nodes (GROUP_WORLD_SIZE=2),
-# where sync gloo calls take the ring of point-to-point transfers instead of the broadcasts.
+# "ring": every call rewired, sync gloo calls set to the ring of point-to-point transfers
+# (MEMGATHER_GLOO_ROUTE=ring, as where a group's ranks run on several hosts) instead of the broadcasts.
 THRESHOLDS = {"default": ({}, BROADCAST_MIN_BYTES_PER_RANK), "eager": (EAGER, 0),
-              "ring": ({**EAGER, "GROUP_WORLD_SIZE": "2"}, 0)}
+              "ring": ({**EAGER, "MEMGATHER_GLOO_ROUTE": "ring"}, 0)}
 _results: Dict[Any, List[Any]] = {}
 
 

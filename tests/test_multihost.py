@@ -32,10 +32,13 @@ def test_two_hosts_identical_results_rewired_at_the_floor(tmp_path: Path) -> Non
         # Slots kept as they lie: filled in place, no gathered-size temporary.
         for name in ("zeros_like_list", "views_in_place"):
             assert b[name]["growth"] <= 1.1 and a[name]["growth"] >= 1.8, (rank, name, a[name], b[name])
+        # A group of one host's ranks: the broadcasts, which beat the ring on one host.
+        assert b["per_host_group"] == {"correct": True, "routes": {"broadcast": 1}}, (rank, b["per_host_group"])
     lines = reports(runs["memgather"]["output"])
     assert sorted(lines) == [0, 1, 2, 3], runs["memgather"]["output"][-3000:]
     for report in lines.values():
         # Each pattern's 16 MiB gather rewired; its 4 KiB warm-up gather left to torch.
-        assert report.rewired == len(REWIRABLE) and report.calls == 2 * len(REWIRABLE), report.line
-        assert f"routes: ring={len(REWIRABLE)};" in report.line, report.line  # across hosts: the ring
+        assert report.rewired == len(REWIRABLE) + 1 and report.calls == 2 * len(REWIRABLE) + 1, report.line
+        # Across hosts, told by the host keys in the agreement row: the ring.
+        assert f"routes: broadcast=1, ring={len(REWIRABLE)};" in report.line, report.line
     assert not reports(runs["torch"]["output"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -71,29 +71,71 @@ def test_gloo_single_tensor_support_by_torch_release(version: str, expected: boo
     assert (compat._release(version) >= compat.GLOO_SINGLE_TENSOR_SINCE) is expected
 
 
-def test_gloo_sync_calls_take_the_ring_where_torchrun_says_the_job_spans_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value, spans in (("2", True), ("1", False), ("", False), ("x", False)):
-        monkeypatch.setenv("GROUP_WORLD_SIZE", value)
-        assert routes.spans_hosts() is spans, value
-    assert routes.choose("gloo", CPU, 8 * MIB, 2, False, spans_hosts=True) is routes.RING
-    assert routes.choose("gloo", CPU, 8 * MIB, 2, False, spans_hosts=True, dtype=torch.complex64) is routes.RING
+def test_the_ring_where_the_group_spans_hosts_or_where_set() -> None:
+    broadcast = routes.choose("gloo", CPU, 8 * MIB, 2, False)
+    assert broadcast is routes.BROADCAST
+    assert routes.settle(broadcast, "auto", True, torch.float32) is routes.RING
+    assert routes.settle(broadcast, "auto", True, torch.complex64) is routes.RING
+    assert routes.settle(broadcast, "auto", False, torch.float32) is routes.BROADCAST
+    assert routes.settle(broadcast, "ring", False, torch.float32) is routes.RING
+    assert routes.settle(broadcast, "broadcast", True, torch.float32) is routes.BROADCAST
     # gloo's collectives refuse these on some or all releases; its point-to-point transfers would not
     for dtype in (torch.bool, torch.bfloat16, torch.int16):
-        assert routes.choose("gloo", CPU, 8 * MIB, 2, False, spans_hosts=True, dtype=dtype) is routes.BROADCAST
-    assert routes.choose("gloo", CPU, 8 * MIB, 2, True, spans_hosts=True) is routes.SINGLE_STAGED  # async
+        assert routes.settle(broadcast, "ring", True, dtype) is routes.BROADCAST
+    for other in (routes.SINGLE_STAGED, routes.SINGLE_IN_PLACE):  # only the in-place gloo route moves
+        assert routes.settle(other, "ring", True, torch.float32) is other
     assert routes.RING.needs_agreement and routes.RING.in_place and routes.RING.saves_temp
 
 
+def test_host_key_is_the_same_for_processes_of_one_host_and_a_non_negative_int64() -> None:
+    import subprocess
+    import sys
+
+    from memgather import hosts
+
+    code = "from memgather import hosts; print(hosts.key())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert int(other.stdout) == hosts.key()
+    assert 0 <= hosts.key() < 1 << 63
+
+
+def host_routes(ctx: Any, keys: List[int], setting: str) -> Dict[str, Any]:
+    """Rank r pretends to run on host keys[r]; one 4 MiB gather, and the routes it took."""
+    import memgather
+    from memgather import config, core, hosts
+
+    saved = hosts._key
+    hosts._key = keys[ctx.rank]
+    core.configure(config.Settings(gloo_route=setting))
+    try:
+        memgather.reset_stats()
+        slots = [torch.empty(1 << 20) for _ in range(ctx.world)]
+        memgather.all_gather(slots, torch.full((1 << 20,), float(ctx.rank)))
+        correct = all(torch.equal(s, torch.full((1 << 20,), float(r))) for r, s in enumerate(slots))
+        stats = memgather.stats()
+        return {"correct": correct, "routes": dict(stats.by_route), "fallbacks": dict(stats.fallbacks)}
+    finally:
+        hosts._key = saved
+        core.configure()
+
+
+@pytest.mark.parametrize("keys,setting,route", [
+    ([7, 7, 7], "auto", "broadcast"),
+    ([7, 7, 9], "auto", "ring"),  # one rank elsewhere: the whole group takes the ring
+    ([7, 9, 11], "broadcast", "broadcast"),
+    ([7, 7, 7], "ring", "ring"),
+])
+def test_every_rank_takes_the_route_the_host_keys_call_for(pools: Any, keys: List[int], setting: str, route: str) -> None:
+    for result in unwrap(pools(3).run(host_routes, keys, setting)):
+        assert result == {"correct": True, "routes": {route: 1}, "fallbacks": {}}, result
+
 
 def mixed_routes(ctx: Any) -> Dict[str, Any]:
-    """Rank 0 believes the job spans nodes, the others do not: they must not meet on two protocols."""
-    import os
-
+    """Rank 0 is set to the ring, the others to the broadcasts: they must not meet on two protocols."""
     import memgather
-    from memgather import core
+    from memgather import config, core
 
-    os.environ["GROUP_WORLD_SIZE"] = "2" if ctx.rank == 0 else "1"
-    core.configure()
+    core.configure(config.Settings(gloo_route="ring" if ctx.rank == 0 else "broadcast"))
     try:
         memgather.reset_stats()
         slots = [torch.empty(1 << 20) for _ in range(ctx.world)]
@@ -101,10 +143,9 @@ def mixed_routes(ctx: Any) -> Dict[str, Any]:
         correct = all(torch.equal(s, torch.full((1 << 20,), float(r))) for r, s in enumerate(slots))
         return {"correct": correct, "fallbacks": dict(memgather.stats().fallbacks)}
     finally:
-        os.environ.pop("GROUP_WORLD_SIZE", None)
         core.configure()
 
 
-def test_ranks_that_would_take_different_routes_all_fall_back(pools: Any) -> None:
+def test_ranks_set_to_different_routes_all_fall_back(pools: Any) -> None:
     for result in unwrap(pools(2).run(mixed_routes)):
         assert result == {"correct": True, "fallbacks": {"peer_fallback": 1}}, result
