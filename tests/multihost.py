@@ -10,6 +10,8 @@ starts is killed when the bounded wait ends.
 
 prints, per caller pattern, torch's and memgather's time and peak growth on
 such hosts (rate: the tbf rate of every link; latency is not simulated).
+``python -m tests.multihost --matrix`` measures world 2, 4 and 8 on one host and
+across hosts, 4 and 64 MiB per rank, over every link profile: the README's table.
 """
 
 from __future__ import annotations
@@ -17,60 +19,124 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from integration.harness import reports
 from tests.hosts import Hosts, simulated_hosts
 
 JOB = Path(__file__).resolve().parent / "multihost_job.py"
-ON = {"MEMGATHER": "1", "MEMGATHER_TARGETS": "memgather_bench_patterns", "MEMGATHER_REPORT": "all"}
+# Cat elision on, as `memgather bench` has it for the libraries the cat patterns stand for.
+ON = {"MEMGATHER": "1", "MEMGATHER_TARGETS": "memgather_bench_patterns", "MEMGATHER_REPORT": "all",
+      "MEMGATHER_ELIDE": "1"}
+# (hosts, ranks per host): world 2, 4 and 8, on one host and across hosts
+LAYOUTS = ((1, 2), (2, 1), (1, 4), (2, 2), (1, 8), (2, 4), (4, 2))
+RATES = (None, "10gbit", "1gbit")  # None: the veth pairs unshaped
+SIZES = (4, 64)
 
 
 def launch(hosts: Hosts, per_host: int, out_dir: Path, env: Optional[Dict[str, str]] = None,
-           mib: float = 4, timeout_s: float = 240) -> Dict[str, Any]:
-    """Run the job on every host; per rank its results, and every agent's output."""
+           mib: float = 4, timeout_s: float = 240, repeat: int = 1) -> Dict[str, Any]:
+    """Run the job on every host; per rank its results, and every agent's output.
+
+    One deadline for the whole job: each agent writes to a file of its own (a pipe
+    left unread while another agent is waited for would stall its writer).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     full = {k: v for k, v in os.environ.items() if not k.startswith("MEMGATHER")}
     full.update({"GLOO_SOCKET_IFNAME": hosts.interface, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                 "MEMGATHER_JOB_MIB": str(mib), **(env or {})})
+                 "MEMGATHER_JOB_MIB": str(mib), "MEMGATHER_JOB_REPEAT": str(repeat), **(env or {})})
     count = len(hosts.names)
+    logs = [out_dir / f"agent{host}.log" for host in range(count)]
     agents = []
-    for host in range(count):
+    for host, log in enumerate(logs):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(count),
                 "--nproc_per_node", str(per_host), "--rdzv_backend", "c10d",
                 "--rdzv_endpoint", f"{hosts.addresses[0]}:29611", "--rdzv_id", out_dir.name,
                 "--rdzv_conf", f"is_host={'1' if host == 0 else '0'}", "--local_addr", hosts.addresses[host],
                 "--max_restarts", "0", str(JOB), str(out_dir)]
-        agents.append(subprocess.Popen(hosts.command(host, argv), env=full, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    outputs: List[str] = []
+        with open(log, "w") as sink:
+            agents.append(subprocess.Popen(hosts.command(host, argv), env=full, stdout=sink,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout_s
     try:
         for agent in agents:
-            outputs.append(agent.communicate(timeout=timeout_s)[0])
+            agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # reported below, with what the agents wrote
     finally:
         for agent in agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, 9)
                 agent.wait()
-    output = "\n".join(outputs)
+    output = "\n".join(log.read_text(errors="replace") for log in logs)
     failed = [agent.returncode for agent in agents if agent.returncode != 0]
     if failed:
-        raise AssertionError(f"multi-host job failed (exit {failed}):\n{output[-6000:]}")
+        raise AssertionError(f"multi-host job failed (exit {failed}; -9: killed at the {timeout_s:g} s deadline):\n"
+                             f"{output[-6000:]}")
     world = count * per_host
     results = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
     return {"results": results, "output": output}
 
 
 def compare(hosts: Hosts, per_host: int, tmp: Path, mib: float = 4,
-            route: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+            route: Optional[str] = None, repeat: int = 1) -> Dict[str, Dict[str, Any]]:
     """The job under torch alone, then with MEMGATHER=1 (through memgather's .pth); ``route``
     "broadcast" makes memgather take the one-host route across hosts too (to measure it)."""
     mine = {**ON, **({"MEMGATHER_GLOO_ROUTE": route} if route else {})}
-    return {mode: launch(hosts, per_host, tmp / mode, env, mib)
+    timeout_s = 240 + 30 * repeat * mib * len(hosts.names) * per_host / 64  # 1 Gbit/s moves 64 MiB in about 0.6 s
+    return {mode: launch(hosts, per_host, tmp / mode, env, mib, timeout_s, repeat)
             for mode, env in (("torch", {}), ("memgather", mine))}
+
+
+def summary(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """One line of the matrix: time as a multiple of torch's over the patterns, worst peaks, routes."""
+    theirs, mine = runs["torch"]["results"], runs["memgather"]["results"]
+    names = [k for k in theirs[0] if isinstance(theirs[0][k], dict)]
+    ratios = [mine[0][n]["seconds"] / theirs[0][n]["seconds"] for n in names]
+    line = reports(runs["memgather"]["output"])[0].line
+    return {"torch_s": statistics.median(theirs[0][n]["seconds"] for n in names),
+            "time_x": (min(ratios), statistics.median(ratios), max(ratios)),
+            "torch_peak": max(r[n]["growth"] for r in theirs for n in names),
+            "memgather_peak": max(r[n]["growth"] for r in mine for n in names),
+            "identical": all(x[n]["sha256"] == y[n]["sha256"] for x, y in zip(theirs, mine) for n in names),
+            "routes": re.search(r"routes: ([^;]*);", line).group(1)}  # type: ignore[union-attr]
+
+
+def _pattern_table(runs: Dict[str, Dict[str, Any]]) -> None:
+    theirs, mine = runs["torch"]["results"], runs["memgather"]["results"]
+    print(f"{'pattern':<18} {'torch s':>8} {'memgather s':>12} {'time x':>7} {'torch peak':>11} {'memgather peak':>15}")
+    for name in (k for k in theirs[0] if isinstance(theirs[0][k], dict)):
+        a, b = theirs[0][name], mine[0][name]
+        peak_a = max(r[name]["growth"] for r in theirs)
+        peak_b = max(r[name]["growth"] for r in mine)
+        same = all(x[name]["sha256"] == y[name]["sha256"] for x, y in zip(theirs, mine))
+        print(f"{name:<18} {a['seconds']:8.3f} {b['seconds']:12.3f} {b['seconds'] / a['seconds']:7.2f} "
+              f"{peak_a:10.3f}x {peak_b:14.3f}x{'' if same else '  RESULTS DIFFER'}")
+
+
+def matrix(repeat: int) -> None:
+    """Every layout of ``LAYOUTS`` at every size of ``SIZES``, across every link of ``RATES``
+    (one host: loopback only), one markdown row each, printed as it is measured."""
+    print("| world | hosts x ranks | link | MiB per rank | torch s | memgather time x (min, median, max) "
+          "| torch peak | memgather peak | results | memgather's routes (rank 0) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for hosts, per_host in LAYOUTS:
+        for rate in RATES if hosts > 1 else (None,):
+            for mib in SIZES:
+                with simulated_hosts(hosts, rate) as made, tempfile.TemporaryDirectory() as tmp:
+                    row = summary(compare(made, per_host, Path(tmp), mib, repeat=repeat))
+                link = rate or ("loopback" if hosts == 1 else "veth, unshaped")
+                low, mid, high = row["time_x"]
+                print(f"| {hosts * per_host} | {hosts} x {per_host} | {link} | {mib:g} | {row['torch_s']:.3f} "
+                      f"| {low:.2f}, {mid:.2f}, {high:.2f} | {row['torch_peak']:.3f} x | {row['memgather_peak']:.3f} x "
+                      f"| {'identical' if row['identical'] else 'DIFFER'} | {row['routes']} |", flush=True)
 
 
 def main() -> None:
@@ -80,20 +146,19 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=4, help="MiB per rank gathered")
     parser.add_argument("--rate", default=None, help="tbf rate of every link, e.g. 1gbit (default: unshaped)")
     parser.add_argument("--route", choices=["broadcast"], default=None,
-                        help="make memgather take the one-host broadcasts across hosts too (default: its choice, the ring)")
+                        help="make memgather take the one-host broadcasts across hosts too (default: its choice)")
+    parser.add_argument("--repeat", type=int, default=3, help="calls timed per pattern; the median counts (default 3)")
+    parser.add_argument("--matrix", action="store_true",
+                        help="instead: world 2, 4 and 8 on one host and across hosts, 4 and 64 MiB per rank, "
+                             "unshaped, 10gbit and 1gbit links; one row per case (about 30 minutes on 2 cores)")
     args = parser.parse_args()
+    if args.matrix:
+        matrix(args.repeat)
+        return
     with simulated_hosts(args.hosts, args.rate) as hosts, tempfile.TemporaryDirectory() as tmp:
-        runs = compare(hosts, args.per_host, Path(tmp), args.mib, args.route)
-    theirs, mine = runs["torch"]["results"], runs["memgather"]["results"]
+        runs = compare(hosts, args.per_host, Path(tmp), args.mib, args.route, args.repeat)
     print(f"{args.hosts} hosts x {args.per_host} ranks, {args.mib:g} MiB per rank, link {args.rate or 'unshaped veth'}")
-    print(f"{'pattern':<18} {'torch s':>8} {'memgather s':>12} {'time x':>7} {'torch peak':>11} {'memgather peak':>15}")
-    for name in (k for k in theirs[0] if isinstance(theirs[0][k], dict)):
-        a, b = theirs[0][name], mine[0][name]
-        peak_a = max(r[name]["growth"] for r in theirs)
-        peak_b = max(r[name]["growth"] for r in mine)
-        same = all(x[name]["sha256"] == y[name]["sha256"] for x, y in zip(theirs, mine))
-        print(f"{name:<18} {a['seconds']:8.3f} {b['seconds']:12.3f} {b['seconds'] / a['seconds']:7.2f} "
-              f"{peak_a:10.3f}x {peak_b:14.3f}x{'' if same else '  RESULTS DIFFER'}")
+    _pattern_table(runs)
 
 
 if __name__ == "__main__":

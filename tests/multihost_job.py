@@ -4,7 +4,8 @@
 joins gloo, gathers ``MEMGATHER_JOB_MIB`` MiB per rank through every caller pattern of
 ``memgather bench`` (memgather.patterns), and writes ``OUT_DIR/rank<R>.json``: per
 pattern, the SHA-256 of what the caller holds, the peak RSS growth and the seconds the
-gather took (the slowest rank's, after a barrier). Nothing here patches: MEMGATHER=1
+gather took (the slowest rank's, after a barrier; the median of ``MEMGATHER_JOB_REPEAT``
+calls). Nothing here patches: MEMGATHER=1
 through memgather's .pth decides, as in a user's job.
 """
 
@@ -13,9 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,27 @@ def _gather_on_own_host(numel: int) -> Dict[str, Any]:
     return {"correct": correct, "routes": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}}
 
 
+def _measure(gather: Any, tensor: torch.Tensor, repeat: int, rss: Any) -> Dict[str, Any]:
+    """The first call's result digest and peak growth (a multiple of the gathered size), and
+    the median over ``repeat`` calls of the slowest rank's seconds."""
+    seconds: List[float] = []
+    for call in range(repeat):
+        dist.barrier()
+        if call == 0:
+            rss.reset_peak()
+            before = rss.current_bytes()
+        start = time.perf_counter()
+        held = gather(tensor)
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        if call == 0:
+            growth = (rss.peak_bytes() - before) / (tensor.numel() * tensor.element_size() * dist.get_world_size())
+            digest = _digest(held)
+        del held
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        seconds.append(float(took))
+    return {"sha256": digest, "growth": growth, "seconds": statistics.median(seconds)}
+
+
 def main() -> None:
     from memgather import patterns, rss
 
@@ -56,23 +79,14 @@ def main() -> None:
     module = patterns.load()
     rss.track_allocations(True)  # freed blocks leave the resident set: each pattern's peak is its own
     result: Dict[str, Any] = {"world": world, "host": os.environ.get("GLOO_SOCKET_IFNAME", "")}
+    repeat = int(os.environ.get("MEMGATHER_JOB_REPEAT", "1"))
     for pattern in patterns.PATTERNS:
         if pattern.name == "single_tensor":
             continue  # torch's own single-tensor call: nothing for memgather to rewire
         gather = getattr(module, pattern.name)
         gather(torch.ones(1024))  # first-call costs are not the gather's
         tensor = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
-        dist.barrier()
-        rss.reset_peak()
-        before = rss.current_bytes()
-        start = time.perf_counter()
-        held = gather(tensor)
-        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        growth = rss.peak_bytes() - before
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        result[pattern.name] = {"sha256": _digest(held), "growth": growth / (numel * 4 * world),
-                                "seconds": float(seconds)}
-        del held
+        result[pattern.name] = _measure(gather, tensor, repeat, rss)
     if os.environ.get("MEMGATHER") == "1":
         result["per_host_group"] = _gather_on_own_host(numel)
     dist.barrier()
