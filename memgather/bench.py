@@ -6,7 +6,10 @@ for every rank), gather the same data ``--repeat`` times and report peak
 memory and time. Peak memory counts the input plus what the gather adds,
 like the reference figure of Accelerate PR #1968: on CUDA
 ``torch.cuda.max_memory_allocated``; on CPU the resident-set high-water mark,
-reset through ``/proc/self/clear_refs`` right before the call.
+reset through ``/proc/self/clear_refs`` right before the call. Each row also
+gives the transport floor (``_measure_floor``): the time the same bytes take
+through bare collectives alone, measured once per invocation in fresh processes
+of its own, and memgather's time as a multiple of it.
 
 Instead of the patterns, one option measures one figure the README gives:
 ``--overhead`` (``memgather.overhead``), ``--routes`` (``memgather.route_times``,
@@ -71,6 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("memgather bench: on CPU the peak is read from /proc/self/status after resetting it through "
               "/proc/self/clear_refs, which this system does not have (Linux only).", file=sys.stderr)
         return 2
+    floor = _transport_floor(backend, args.world_size, shape, args.dtype, args.repeat, args.rounds)
     rows = []
     for pattern in chosen:
         results: Dict[str, List[RankResult]] = {mode: [] for mode in MODES}
@@ -81,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"{args.dtype}, {args.repeat} repeats, round {round_index + 1}/{args.rounds} ...", end="", flush=True)
                 results[mode] += _run_mode(pattern.name, mode, backend, args.world_size, shape, args.dtype, args.repeat)
                 print(f" {time.perf_counter() - started:.1f} s", flush=True)
-        rows.append(_row(pattern, backend, args.world_size, shape, args.dtype, results))
+        rows.append(_row(pattern, backend, args.world_size, shape, args.dtype, results, floor))
     print(table(rows))
     if args.json:
         with open(args.json, "w") as out:
@@ -98,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="memgather bench",
         description="Peak memory and time of each caller pattern's gather, torch's own all_gather vs the same "
         "code under memgather (patched; cat elision where memgather's defaults have it for the library the "
-        "pattern stands for), in fresh processes, on this machine. --overhead, --routes, --startup and "
+        "pattern stands for), in fresh processes, on this machine; and the transport floor: the time the same "
+        "bytes take through bare collectives into a ready flat buffer (gloo: one broadcast per rank; NCCL: "
+        "all_gather_into_tensor), with memgather's time as a multiple of it. --overhead, --routes, --startup and "
         "--first-touch measure something else instead, each printing one table.",
         epilog="Patterns: " + "; ".join(f"{p.name} ({p.stands_for})" for p in patterns.PATTERNS),
     )
@@ -108,12 +114,14 @@ def _parser() -> argparse.ArgumentParser:
                         "of the reference figure (default %(default)s)")
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
     parser.add_argument("--repeat", type=_positive, metavar="N",
-                        help=f"measured gathers per pattern and mode (default {DEFAULT_REPEAT}); with --routes, timing "
+                        help=f"measured gathers per pattern and mode, and timing samples of the transport floor (default "
+                        f"{DEFAULT_REPEAT}); with --routes, timing "
                         f"samples per route and size (default {DEFAULT_REPEAT}); with --first-touch, fresh buffers per "
                         f"variant and size (default {FIRST_TOUCH_REPEAT}); with --startup, interpreter start-ups with "
                         f"and without memgather.pth (default {STARTUP_RUNS})")
     parser.add_argument("--rounds", type=_positive, default=1,
-                        help="fresh process groups per pattern and mode, alternating modes (with --routes: per table); "
+                        help="fresh process groups per pattern and mode, alternating modes, and for the transport floor "
+                        "(with --routes: per table); "
                         "times are medians over all rounds (small gathers vary between process pairs: use 15 below 1 MiB)")
     parser.add_argument("--patterns", help="comma-separated subset of: " + ",".join(patterns.BY_NAME))
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA has a GPU per rank, else gloo")
@@ -272,6 +280,22 @@ def _default_backend(world: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
 
 
+def _transport_floor(backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int, rounds: int) -> float:
+    """Median seconds per call of the transport floor (``_measure_floor``): ``rounds``
+    fresh process groups of ``repeat`` samples each, as a pattern's mode gets."""
+    by_rank: List[List[float]] = []
+    for round_index in range(rounds):
+        started = time.perf_counter()
+        print(f"[bench] {'transport floor':<32} {world} ranks, {backend}, shape {shape} {dtype}, {repeat} repeats, "
+              f"round {round_index + 1}/{rounds} ...", end="", flush=True)
+        try:
+            by_rank += spawn(_measure_floor, world, backend, shape, dtype, repeat)
+        except RuntimeError as error:
+            raise RuntimeError(f"transport floor failed: {error}") from None
+        print(f" {time.perf_counter() - started:.1f} s", flush=True)
+    return statistics.median(_samples(by_rank, world))
+
+
 def _run_mode(pattern: str, mode: str, backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int) -> List[RankResult]:
     try:
         by_rank = spawn(_measure, world, backend, pattern, mode, shape, dtype, repeat)
@@ -368,8 +392,6 @@ def leave() -> None:
 
 def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode: str, shape: Tuple[int, ...],
              dtype: str, repeat: int) -> Dict[str, Any]:
-    import torch
-
     import memgather
 
     device = join(rank, world, port, backend)
@@ -378,13 +400,64 @@ def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode:
     else:
         memgather.unpatch()  # in case MEMGATHER=1 patched this process at start-up
     gather = patterns.function(pattern, memgather_mode=(mode == "memgather"))
-    generator = torch.Generator().manual_seed(rank)
-    tensor = (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype)).to(device)
+    tensor = _input(rank, shape, dtype, device)
     peaks, digest = _peaks(gather, tensor, repeat)
     inner = calls_per_sample(gather, tensor)
     seconds = [timed(gather, tensor, inner) / inner for _ in range(repeat)]
     leave()
     return asdict(RankResult(peaks, seconds, digest))
+
+
+def _input(rank: int, shape: Tuple[int, ...], dtype: str, device: Any) -> Any:
+    """Rank ``rank``'s input: the same values in every mode, and on every rank that asks for it."""
+    import torch
+
+    generator = torch.Generator().manual_seed(rank)
+    return (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype)).to(device)
+
+
+def _measure_floor(rank: int, world: int, port: int, backend: str, shape: Tuple[int, ...], dtype: str,
+                   repeat: int) -> List[float]:
+    """The transport floor: seconds per call (one per sample) that the gathered bytes take
+    through bare collectives alone, with no caller code and nothing of memgather.
+
+    Every rank's input bytes land in one flat buffer allocated once and written to
+    before any timing (no page faults in the timed calls): on gloo by one async
+    broadcast per rank, from the source's own slot (its input copied in once) into
+    that slot on the others, as memgather's broadcast route sends them; on NCCL by
+    one ``all_gather_into_tensor``. The bytes are sent as bytes, so that any dtype
+    goes. Whatever a pattern takes beyond this is the caller's code and memgather's
+    (allocations, first touches, copies, the agreement round), not the transport.
+    Timed as the patterns are (``calls_per_sample``, ``timed``), after one checked call.
+    """
+    import torch
+    import torch.distributed as dist
+
+    import memgather
+
+    device = join(rank, world, port, backend)
+    memgather.unpatch()  # bare collectives, also where MEMGATHER=1 patched this process at start-up
+    source = _input(rank, shape, dtype, device).reshape(-1).view(torch.uint8)
+    flat = torch.empty(world * source.numel(), dtype=torch.uint8, device=device).zero_()
+    slots = list(flat.view(world, -1).unbind(0))
+    slots[rank].copy_(source)
+
+    def move(tensor: Any) -> None:
+        if backend == "nccl":
+            dist.all_gather_into_tensor(flat, tensor)
+            return
+        works = [dist.broadcast(slot, src=i, async_op=True) for i, slot in enumerate(slots)]
+        for work in works:
+            work.wait()
+
+    move(source)
+    for other, slot in enumerate(slots):  # a floor that moved the wrong bytes would mean nothing
+        if not torch.equal(slot, _input(other, shape, dtype, device).reshape(-1).view(torch.uint8)):
+            raise RuntimeError(f"rank {rank}: the floor's collectives left wrong bytes in rank {other}'s slot")
+    inner = calls_per_sample(move, source)
+    seconds = [timed(move, source, inner) / inner for _ in range(repeat)]
+    leave()
+    return seconds
 
 
 def _peaks(gather: Any, tensor: Any, repeat: int) -> Tuple[List[int], str]:
@@ -520,7 +593,7 @@ def _digest(result: Any) -> str:
 
 
 def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, ...], dtype: str,
-         results: Dict[str, List[RankResult]]) -> Dict[str, Any]:
+         results: Dict[str, List[RankResult]], time_floor: float) -> Dict[str, Any]:
     import torch
 
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
@@ -531,7 +604,7 @@ def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, 
     # A one-time growth of the process's heap (its first small allocations after the
     # allocation tracking returned its free pages) is not the gather's.
     peak = {mode: max(statistics.median(r.peaks) for r in ranks) for mode, ranks in results.items()}
-    median = {mode: statistics.median(_samples(ranks, world)) for mode, ranks in results.items()}
+    median = {mode: statistics.median(_samples([r.seconds for r in ranks], world)) for mode, ranks in results.items()}
     floor = per_rank * (world + 1)  # the input, plus the gathered result that must exist
     return {
         "pattern": pattern.name, "label": pattern.label, "stands_for": pattern.stands_for,
@@ -541,23 +614,25 @@ def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, 
         "peak_ratio": peak["memgather"] / peak["torch"], "memgather_vs_floor": peak["memgather"] / floor,
         "time_torch": median["torch"], "time_memgather": median["memgather"],
         "time_ratio": median["memgather"] / median["torch"],
+        "time_floor": time_floor, "time_memgather_vs_floor": median["memgather"] / time_floor,
         "identical": [r.digest for r in results["torch"]] == [r.digest for r in results["memgather"]],
     }
 
 
-def _samples(ranks: List[RankResult], world: int) -> List[float]:
-    """Per-call times, one per repeat and round: the slowest rank's (a gather ends when all have it)."""
+def _samples(by_rank: List[List[float]], world: int) -> List[float]:
+    """Per-call times, one per repeat and round: the slowest rank's (a gather ends when all have it).
+    ``by_rank`` holds each rank's seconds, a round (``world`` ranks) after another."""
     samples = []
-    for first in range(0, len(ranks), world):  # results arrive a round (world ranks) at a time
-        group = ranks[first:first + world]
-        samples += [max(r.seconds[i] for r in group) for i in range(len(group[0].seconds))]
+    for first in range(0, len(by_rank), world):
+        group = by_rank[first:first + world]
+        samples += [max(seconds[i] for seconds in group) for i in range(len(group[0]))]
     return samples
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
     """The rows as an aligned text table."""
     header = ("pattern", "backend", "world", "peak torch", "peak memgather", "ratio", "memgather/floor",
-              "time torch", "time memgather", "ratio", "identical")
+              "time torch", "time memgather", "ratio", "time floor", "mg/time floor", "identical")
     lines = [header]
     for row in rows:
         lines.append((
@@ -565,6 +640,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
             _size(row["peak_torch"]), _size(row["peak_memgather"]), f"{row['peak_ratio']:.3f}",
             f"{row['memgather_vs_floor']:.3f}",
             _duration(row["time_torch"]), _duration(row["time_memgather"]), f"{row['time_ratio']:.3f}",
+            _duration(row["time_floor"]), f"{row['time_memgather_vs_floor']:.3f}",
             "yes" if row["identical"] else "NO",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

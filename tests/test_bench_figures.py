@@ -1,9 +1,11 @@
 """The commands behind the README's figures, each run for real at tiny settings:
-``memgather bench --routes``, ``--startup`` and ``--first-touch``. Only the shape of
-what they print is checked (a well-formed table of positive numbers), never a timing."""
+``memgather bench --routes``, ``--startup``, ``--first-touch`` and the patterns' transport
+floor. Only the shape of what they print is checked (a well-formed table of positive
+numbers), never a timing."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -85,6 +87,22 @@ def test_first_touch_prints_both_variants() -> None:
     assert len(rows) == 1 and rows[0][0] == "4 MiB"
     _, plain, advised, ratio = rows[0]
     assert _positive_time(plain) and _positive_time(advised) and float(ratio) > 0
+
+
+def test_patterns_carry_the_transport_floor(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    done = _bench("--shape", "64,64", "--repeat", "2", "--patterns", "empty_like_cat,single_tensor", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("[bench] transport floor") == 1  # once per invocation, not per pattern
+    header = _cells(next(line for line in done.stdout.splitlines() if line.startswith("pattern")))
+    cells = [dict(zip(header, row)) for row in _table(done.stdout, "pattern")]
+    rows = json.loads(out.read_text())
+    assert [row["pattern"] for row in rows] == ["empty_like_cat", "single_tensor"] and len(cells) == 2
+    for row, printed in zip(rows, cells):
+        assert row["time_floor"] > 0 and row["time_floor"] == rows[0]["time_floor"]
+        assert row["time_memgather_vs_floor"] == pytest.approx(row["time_memgather"] / row["time_floor"])
+        assert _positive_time(printed["time floor"]) and printed["time floor"] == bench._duration(row["time_floor"])
+        assert float(printed["mg/time floor"]) == pytest.approx(row["time_memgather_vs_floor"], abs=5e-4)
 
 
 @pytest.mark.parametrize("args,message", [
