@@ -88,7 +88,7 @@ def launch(hosts: Hosts, per_host: int, out_dir: Path, env: Optional[Dict[str, s
 def compare(hosts: Hosts, per_host: int, tmp: Path, mib: float = 4,
             route: Optional[str] = None, repeat: int = 1) -> Dict[str, Dict[str, Any]]:
     """The job under torch alone, then with MEMGATHER=1 (through memgather's .pth); ``route``
-    "broadcast" makes memgather take the one-host route across hosts too (to measure it)."""
+    (MEMGATHER_GLOO_ROUTE) sets memgather's in-place route instead of its own choice."""
     mine = {**ON, **({"MEMGATHER_GLOO_ROUTE": route} if route else {})}
     timeout_s = 240 + 30 * repeat * mib * len(hosts.names) * per_host / 64  # 1 Gbit/s moves 64 MiB in about 0.6 s
     return {mode: launch(hosts, per_host, tmp / mode, env, mib, timeout_s, repeat)
@@ -145,8 +145,9 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=2)
     parser.add_argument("--mib", type=float, default=4, help="MiB per rank gathered")
     parser.add_argument("--rate", default=None, help="tbf rate of every link, e.g. 1gbit (default: unshaped)")
-    parser.add_argument("--route", choices=["broadcast"], default=None,
-                        help="make memgather take the one-host broadcasts across hosts too (default: its choice)")
+    parser.add_argument("--route", choices=["broadcast", "ring"], default=None,
+                        help="MEMGATHER_GLOO_ROUTE for memgather's run, e.g. the broadcasts across hosts "
+                             "(default: auto, the ring across hosts and the broadcasts on one)")
     parser.add_argument("--repeat", type=int, default=3, help="calls timed per pattern; the median counts (default 3)")
     parser.add_argument("--matrix", action="store_true",
                         help="instead: world 2, 4 and 8 on one host and across hosts, 4 and 64 MiB per rank, "
