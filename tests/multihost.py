@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from integration.harness import reports
 from tests.hosts import Hosts, simulated_hosts
@@ -85,28 +85,43 @@ def launch(hosts: Hosts, per_host: int, out_dir: Path, env: Optional[Dict[str, s
     return {"results": results, "output": output}
 
 
-def compare(hosts: Hosts, per_host: int, tmp: Path, mib: float = 4,
-            route: Optional[str] = None, repeat: int = 1) -> Dict[str, Dict[str, Any]]:
+def compare(hosts: Hosts, per_host: int, tmp: Path, mib: float = 4, route: Optional[str] = None,
+            repeat: int = 1, other_route: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
     """The job under torch alone, then with MEMGATHER=1 (through memgather's .pth); ``route``
-    (MEMGATHER_GLOO_ROUTE) sets memgather's in-place route instead of its own choice."""
-    mine = {**ON, **({"MEMGATHER_GLOO_ROUTE": route} if route else {})}
+    (MEMGATHER_GLOO_ROUTE) sets memgather's in-place route instead of its own choice;
+    ``other_route`` adds a third run ("other") with memgather set to that route."""
+    modes = [("torch", {}), ("memgather", {**ON, **({"MEMGATHER_GLOO_ROUTE": route} if route else {})})]
+    if other_route:
+        modes.append(("other", {**ON, "MEMGATHER_GLOO_ROUTE": other_route}))
     timeout_s = 240 + 30 * repeat * mib * len(hosts.names) * per_host / 64  # 1 Gbit/s moves 64 MiB in about 0.6 s
-    return {mode: launch(hosts, per_host, tmp / mode, env, mib, timeout_s, repeat)
-            for mode, env in (("torch", {}), ("memgather", mine))}
+    return {mode: launch(hosts, per_host, tmp / mode, env, mib, timeout_s, repeat) for mode, env in modes}
 
 
 def summary(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """One line of the matrix: time as a multiple of torch's over the patterns, worst peaks, routes."""
     theirs, mine = runs["torch"]["results"], runs["memgather"]["results"]
     names = [k for k in theirs[0] if isinstance(theirs[0][k], dict)]
-    ratios = [mine[0][n]["seconds"] / theirs[0][n]["seconds"] for n in names]
+
+    def ratios(mode: str) -> Tuple[float, float, float]:
+        each = [runs[mode]["results"][0][n]["seconds"] / theirs[0][n]["seconds"] for n in names]
+        return min(each), statistics.median(each), max(each)
+
     line = reports(runs["memgather"]["output"])[0].line
     return {"torch_s": statistics.median(theirs[0][n]["seconds"] for n in names),
-            "time_x": (min(ratios), statistics.median(ratios), max(ratios)),
+            "time_x": ratios("memgather"), "other_x": ratios("other") if "other" in runs else None,
             "torch_peak": max(r[n]["growth"] for r in theirs for n in names),
             "memgather_peak": max(r[n]["growth"] for r in mine for n in names),
-            "identical": all(x[n]["sha256"] == y[n]["sha256"] for x, y in zip(theirs, mine) for n in names),
-            "routes": re.search(r"routes: ([^;]*);", line).group(1)}  # type: ignore[union-attr]
+            "identical": all(x[n]["sha256"] == y[n]["sha256"] for other in ("memgather", "other") if other in runs
+                             for x, y in zip(theirs, runs[other]["results"]) for n in names),
+            "routes": _pattern_routes(line, mine[0].get("per_host_group", {}).get("routes", {}))}
+
+
+def _pattern_routes(line: str, per_host_group: Dict[str, int]) -> str:
+    """The routes of a report line, less the one gather on a group of one host's ranks."""
+    text = re.search(r"routes: ([^;]*);", line).group(1)  # type: ignore[union-attr]
+    counts = {k: int(v) for k, v in (pair.split("=") for pair in text.split(", ") if "=" in pair)}
+    left = {k: v - per_host_group.get(k, 0) for k, v in counts.items()}
+    return ", ".join(f"{k}={v}" for k, v in sorted(left.items()) if v) or "none"
 
 
 def _pattern_table(runs: Dict[str, Dict[str, Any]]) -> None:
@@ -123,20 +138,27 @@ def _pattern_table(runs: Dict[str, Dict[str, Any]]) -> None:
 
 def matrix(repeat: int) -> None:
     """Every layout of ``LAYOUTS`` at every size of ``SIZES``, across every link of ``RATES``
-    (one host: loopback only), one markdown row each, printed as it is measured."""
+    (one host: loopback only), one markdown row each, printed as it is measured; each case
+    also runs memgather set to the route it does not choose there (one host: the ring;
+    across hosts: the broadcasts)."""
     print("| world | hosts x ranks | link | MiB per rank | torch s | memgather time x (min, median, max) "
-          "| torch peak | memgather peak | results | memgather's routes (rank 0) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| torch peak | memgather peak | memgather's route | the other route: time x (min, median, max) | results |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for hosts, per_host in LAYOUTS:
         for rate in RATES if hosts > 1 else (None,):
             for mib in SIZES:
+                other = "ring" if hosts == 1 else "broadcast"
                 with simulated_hosts(hosts, rate) as made, tempfile.TemporaryDirectory() as tmp:
-                    row = summary(compare(made, per_host, Path(tmp), mib, repeat=repeat))
+                    row = summary(compare(made, per_host, Path(tmp), mib, repeat=repeat, other_route=other))
                 link = rate or ("loopback" if hosts == 1 else "veth, unshaped")
-                low, mid, high = row["time_x"]
                 print(f"| {hosts * per_host} | {hosts} x {per_host} | {link} | {mib:g} | {row['torch_s']:.3f} "
-                      f"| {low:.2f}, {mid:.2f}, {high:.2f} | {row['torch_peak']:.3f} x | {row['memgather_peak']:.3f} x "
-                      f"| {'identical' if row['identical'] else 'DIFFER'} | {row['routes']} |", flush=True)
+                      f"| {_triple(row['time_x'])} | {row['torch_peak']:.3f} x | {row['memgather_peak']:.3f} x "
+                      f"| {row['routes']} | {other}: {_triple(row['other_x'])} "
+                      f"| {'identical' if row['identical'] else 'DIFFER'} |", flush=True)
+
+
+def _triple(values: Tuple[float, float, float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
 
 
 def main() -> None:
@@ -151,7 +173,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="calls timed per pattern; the median counts (default 3)")
     parser.add_argument("--matrix", action="store_true",
                         help="instead: world 2, 4 and 8 on one host and across hosts, 4 and 64 MiB per rank, "
-                             "unshaped, 10gbit and 1gbit links; one row per case (about 30 minutes on 2 cores)")
+                             "unshaped, 10gbit and 1gbit links, memgather's route and the other one; one row per case "
+                             "(about 40 minutes on 2 cores)")
     args = parser.parse_args()
     if args.matrix:
         matrix(args.repeat)
