@@ -6,7 +6,8 @@ a small gloo call (measured: a 5 us busy loop before a 4 KiB gather adds
 7.5 us). A process group's size, rank and backend never change, so they are
 read once per group object and kept beside a weak reference to it (a
 destroyed group is not kept alive, and its id cannot be mistaken for a new
-group's).
+group's). The entry goes with its group: a job that destroys and creates
+groups again and again leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import weakref
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
+
+from memgather import report
 
 
 class GroupInfo(NamedTuple):
@@ -47,11 +50,27 @@ def describe(group: Any) -> GroupInfo:
         return info
     pg = _process_group(group)
     info = GroupInfo(dist.get_world_size(group), dist.get_rank(group), str(dist.get_backend(group)))
+    if pg is dist.GroupMember.WORLD:
+        # A default group seen for the first time may be a new one, after destroy_process_group():
+        # this process's rank in it is the one its exit report must name.
+        report.note_rank(info.rank)
+    key = id(pg)
     try:
-        _known[id(pg)] = (weakref.ref(pg), info)
+        _known[key] = (weakref.ref(pg, lambda ref: _forget(key, ref)), info)
     except TypeError:  # a group object that takes no weak reference: look it up every time
         pass
     return info
+
+
+def _forget(key: int, ref: "weakref.ref[Any]") -> None:
+    """Drop the entry of a group that has just been freed (called by its weak reference).
+
+    Only if the entry is still that group's: the callback runs before the group's
+    memory (and so its id) can be reused, but a thread may have replaced the entry.
+    """
+    entry = _known.get(key)
+    if entry is not None and entry[0] is ref:
+        _known.pop(key, None)
 
 
 def _process_group(group: Any) -> Any:

@@ -29,6 +29,14 @@ def remember_rank() -> None:
             _rank = dist.get_rank()
 
 
+def note_rank(rank: int) -> None:
+    """This process's global rank in a default group memgather has just met: after
+    ``destroy_process_group()`` and a new ``init_process_group()`` it may differ from the
+    first group's, and the report names the latest."""
+    global _rank
+    _rank = rank
+
+
 def _report() -> None:
     rank = _rank if _rank is not None else _rank_from_environment()
     # A process that never joined a group (a launcher, say) is not a rank: no line.
