@@ -16,7 +16,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from memgather import hosts
+from memgather import compat, hosts
 from memgather.errors import UnevenShapesError
 from memgather.strategies import Reason
 
@@ -71,6 +71,10 @@ def exchange(gather_rows: Callable[..., Any], group: Any, row: torch.Tensor, wor
     """Every rank's int64 ``row``, in group rank order, through the original list all_gather."""
     table = [torch.empty_like(row) for _ in range(world)]
     gather_rows(table, row, group=group)
+    # gloo's worker thread lets go of a finished call's tensors a moment after it returns; a process
+    # that exits in that moment can abort in teardown ("terminate called without an active exception"):
+    # memgather's own collectives end released, so that it adds no such exit to the program's.
+    compat.await_release(table + [row])
     return [r.tolist() for r in table]
 
 

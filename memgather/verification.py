@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from memgather import agreement, callers
+from memgather import agreement, callers, compat
 from memgather.errors import VerifyError
 
 _NONE = -1
@@ -32,7 +32,9 @@ def verify(
     original(scratch, tensor, group=group)
     mine = first_difference(gathered, scratch)
     row = torch.tensor([_NONE, _NONE] if mine is None else list(mine), dtype=torch.int64, device=tensor.device)
-    for seen_by, (rank, index) in enumerate(agreement.exchange(original, group, row, len(gathered))):
+    rows = agreement.exchange(original, group, row, len(gathered))
+    compat.await_release(scratch)  # as agreement.exchange does: no hold of gloo's outlives the call
+    for seen_by, (rank, index) in enumerate(rows):
         if rank != _NONE:
             raise VerifyError(_site(), tuple(tensor.shape), tensor.dtype, strategy, seen_by, rank,
                               _unravel(index, tuple(tensor.shape)))
