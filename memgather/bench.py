@@ -28,7 +28,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from memgather import patterns, rss
@@ -48,6 +48,7 @@ class RankResult:
     peaks: List[int]
     seconds: List[float]
     digest: str
+    reserved: List[int] = field(default_factory=list)  # CUDA only: the caching allocator's reserved peak
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -103,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Peak memory and time of each caller pattern's gather, torch's own all_gather vs the same "
         "code under memgather (patched; cat elision where memgather's defaults have it for the library the "
         "pattern stands for), in fresh processes, on this machine; and the transport floor: the time the same "
-        "bytes take through bare collectives into a ready flat buffer (gloo: one broadcast per rank; NCCL: "
-        "all_gather_into_tensor), with memgather's time as a multiple of it. --overhead, --routes, --startup and "
+        "bytes take through bare collectives into a ready flat buffer (gloo: the faster of one broadcast per rank "
+        "and the single-tensor all-gather; NCCL: the single-tensor all-gather), with memgather's time as a multiple of it. --overhead, --routes, --startup and "
         "--first-touch measure something else instead, each printing one table.",
         epilog="Patterns: " + "; ".join(f"{p.name} ({p.stands_for})" for p in patterns.PATTERNS),
     )
@@ -130,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", metavar="SIZES",
                         help="with --routes: bytes per rank, with --first-touch: buffer sizes; comma-separated, each "
                         "a whole number with an optional K, M or G (KiB, MiB, GiB) (defaults: --routes "
-                        f"{_sizes_text(route_times.DEFAULT_SIZES)}; --first-touch {_sizes_text(first_touch.DEFAULT_SIZES)})")
+                        f"{sizes_text(route_times.DEFAULT_SIZES)}; --first-touch {sizes_text(first_touch.DEFAULT_SIZES)})")
     instead = parser.add_mutually_exclusive_group()
     instead.add_argument("--overhead", action="store_true",
                          help="instead: microseconds memgather adds per call (torch's no-op 'fake' backend, in-process)")
@@ -239,7 +240,7 @@ def parse_sizes(text: str) -> List[int]:
     return sizes
 
 
-def _sizes_text(sizes: Sequence[int]) -> str:
+def sizes_text(sizes: Sequence[int]) -> str:
     """Sizes as --sizes takes them: '4K,1M'."""
     return ",".join(size_label(size).replace(" KiB", "K").replace(" MiB", "M").replace(" GiB", "G") for size in sizes)
 
@@ -283,7 +284,7 @@ def _default_backend(world: int) -> str:
 def _transport_floor(backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int, rounds: int) -> float:
     """Median seconds per call of the transport floor (``_measure_floor``): ``rounds``
     fresh process groups of ``repeat`` samples each, as a pattern's mode gets."""
-    by_rank: List[List[float]] = []
+    by_rank: List[Dict[str, List[float]]] = []
     for round_index in range(rounds):
         started = time.perf_counter()
         print(f"[bench] {'transport floor':<32} {world} ranks, {backend}, shape {shape} {dtype}, {repeat} repeats, "
@@ -293,7 +294,8 @@ def _transport_floor(backend: str, world: int, shape: Tuple[int, ...], dtype: st
         except RuntimeError as error:
             raise RuntimeError(f"transport floor failed: {error}") from None
         print(f" {time.perf_counter() - started:.1f} s", flush=True)
-    return statistics.median(_samples(by_rank, world))
+    # The faster transport: on gloo the broadcasts win from a few MiB per rank, the single call below.
+    return min(statistics.median(_samples([rank[name] for rank in by_rank], world)) for name in by_rank[0])
 
 
 def _run_mode(pattern: str, mode: str, backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int) -> List[RankResult]:
@@ -315,7 +317,7 @@ def spawn(worker: Callable[..., Any], world: int, backend: str, *args: Any) -> L
     """
     ctx = _context()
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(worker, rank, world, port, backend, args, queue))
              for rank in range(world)]
     for proc in procs:
@@ -401,11 +403,11 @@ def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode:
         memgather.unpatch()  # in case MEMGATHER=1 patched this process at start-up
     gather = patterns.function(pattern, memgather_mode=(mode == "memgather"))
     tensor = _input(rank, shape, dtype, device)
-    peaks, digest = _peaks(gather, tensor, repeat)
+    peaks, reserved, result_digest = _peaks(gather, tensor, repeat)
     inner = calls_per_sample(gather, tensor)
     seconds = [timed(gather, tensor, inner) / inner for _ in range(repeat)]
     leave()
-    return asdict(RankResult(peaks, seconds, digest))
+    return asdict(RankResult(peaks, seconds, result_digest, reserved))
 
 
 def _input(rank: int, shape: Tuple[int, ...], dtype: str, device: Any) -> Any:
@@ -417,19 +419,23 @@ def _input(rank: int, shape: Tuple[int, ...], dtype: str, device: Any) -> Any:
 
 
 def _measure_floor(rank: int, world: int, port: int, backend: str, shape: Tuple[int, ...], dtype: str,
-                   repeat: int) -> List[float]:
+                   repeat: int) -> Dict[str, List[float]]:
     """The transport floor: seconds per call (one per sample) that the gathered bytes take
-    through bare collectives alone, with no caller code and nothing of memgather.
+    through bare collectives alone, with no caller code and nothing of memgather, per transport.
 
     Every rank's input bytes land in one flat buffer allocated once and written to
     before any timing (no page faults in the timed calls): on gloo by one async
     broadcast per rank, from the source's own slot (its input copied in once) into
-    that slot on the others, as memgather's broadcast route sends them; on NCCL by
+    that slot on the others, as memgather's broadcast route sends them, and by the
+    single-tensor all-gather where gloo has it (faster for small gathers); on NCCL by
     one ``all_gather_into_tensor``. The bytes are sent as bytes, so that any dtype
-    goes. Whatever a pattern takes beyond this is the caller's code and memgather's
-    (allocations, first touches, copies, the agreement round), not the transport.
-    Timed as the patterns are (``calls_per_sample``, ``timed``), after one checked call.
+    goes. Whatever a pattern takes beyond the faster one is the caller's code and
+    memgather's (allocations, first touches, copies, the agreement round), not the
+    transport. Timed as the patterns are (``calls_per_sample``, ``timed``), each after
+    one checked call.
     """
+    from memgather import compat
+
     import torch
     import torch.distributed as dist
 
@@ -442,26 +448,36 @@ def _measure_floor(rank: int, world: int, port: int, backend: str, shape: Tuple[
     slots = list(flat.view(world, -1).unbind(0))
     slots[rank].copy_(source)
 
-    def move(tensor: Any) -> None:
-        if backend == "nccl":
-            dist.all_gather_into_tensor(flat, tensor)
-            return
+    single = compat.single_tensor_primitive().function
+
+    def broadcasts(tensor: Any) -> None:
         works = [dist.broadcast(slot, src=i, async_op=True) for i, slot in enumerate(slots)]
         for work in works:
             work.wait()
 
-    move(source)
-    for other, slot in enumerate(slots):  # a floor that moved the wrong bytes would mean nothing
-        if not torch.equal(slot, _input(other, shape, dtype, device).reshape(-1).view(torch.uint8)):
-            raise RuntimeError(f"rank {rank}: the floor's collectives left wrong bytes in rank {other}'s slot")
-    inner = calls_per_sample(move, source)
-    seconds = [timed(move, source, inner) / inner for _ in range(repeat)]
+    def single_call(tensor: Any) -> None:
+        single(flat, tensor)
+
+    movers = {"single": single_call} if backend == "nccl" else {"broadcasts": broadcasts}
+    if backend == "gloo" and single is not None and compat.gloo_has_single_tensor():
+        movers["single"] = single_call
+    seconds = {}
+    for name, move in movers.items():
+        flat.zero_()
+        slots[rank].copy_(source)
+        move(source)
+        for other, slot in enumerate(slots):  # a floor that moved the wrong bytes would mean nothing
+            if not torch.equal(slot, _input(other, shape, dtype, device).reshape(-1).view(torch.uint8)):
+                raise RuntimeError(f"rank {rank}: the floor's {name} left wrong bytes in rank {other}'s slot")
+        inner = calls_per_sample(move, source)
+        seconds[name] = [timed(move, source, inner) / inner for _ in range(repeat)]
     leave()
     return seconds
 
 
-def _peaks(gather: Any, tensor: Any, repeat: int) -> Tuple[List[int], str]:
-    """Peak memory of ``repeat`` gathers (input included), and a digest of the result.
+def _peaks(gather: Any, tensor: Any, repeat: int) -> Tuple[List[int], List[int], str]:
+    """Peak memory of ``repeat`` gathers (input included), on CUDA the reserved peak's growth
+    too, and a digest of the result.
 
     Measured before any timing, with every allocation of 64 KiB or more taken
     from the system and given back when freed (CPU): otherwise glibc keeps
@@ -470,24 +486,29 @@ def _peaks(gather: Any, tensor: Any, repeat: int) -> Tuple[List[int], str]:
     """
     import torch.distributed as dist
 
-    meter = _Meter(tensor.device)
+    meter = Meter(tensor.device)
     meter.start()
     gather(tensor)  # the warm-up: first-call costs are not the gather's
-    peaks, digest = [], ""
+    peaks: List[int] = []
+    reserved: List[int] = []
+    first = ""
     for index in range(repeat):
         meter.reset()  # before the barrier: its cost on one rank must not show as the other's wait
         dist.barrier()
         result = gather(tensor)
-        _synchronize(tensor.device)
+        synchronize(tensor.device)
         peaks.append(tensor.numel() * tensor.element_size() + meter.growth())
+        grown = meter.reserved_growth()
+        if grown is not None:
+            reserved.append(grown)
         if index == 0:
-            digest = _digest(result)
+            first = digest(result)
         del result
     meter.stop()
-    return peaks, digest
+    return peaks, reserved, first
 
 
-def _synchronize(device: Any) -> None:
+def synchronize(device: Any) -> None:
     if device.type == "cuda":
         import torch
 
@@ -541,12 +562,17 @@ def timed(gather: Any, tensor: Any, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         gather(tensor)
-    _synchronize(tensor.device)
+    synchronize(tensor.device)
     return time.perf_counter() - start
 
 
-class _Meter:
-    """Memory growth since ``reset()``: CUDA allocator peak, or resident-set high-water mark."""
+class Meter:
+    """Memory growth since ``reset()``: CUDA allocator peak, or resident-set high-water mark.
+
+    On CUDA ``reserved_growth()`` also gives the caching allocator's reserved peak
+    (what ``nvidia-smi`` shows, less the context): freed blocks stay reserved, and
+    one large request is seldom served from several smaller freed blocks.
+    """
 
     def __init__(self, device: Any) -> None:
         import torch
@@ -554,6 +580,7 @@ class _Meter:
         self.device = device
         self.cuda = torch.cuda if device.type == "cuda" else None
         self.before = 0
+        self.reserved_before = 0
 
     def reset(self) -> None:
         import gc
@@ -563,6 +590,7 @@ class _Meter:
             self.cuda.synchronize(self.device)
             self.cuda.reset_peak_memory_stats(self.device)
             self.before = self.cuda.memory_allocated(self.device)
+            self.reserved_before = self.cuda.memory_reserved(self.device)
         else:
             rss.reset_peak()
             self.before = rss.current_bytes()
@@ -579,8 +607,14 @@ class _Meter:
         peak = self.cuda.max_memory_allocated(self.device) if self.cuda is not None else rss.peak_bytes()
         return peak - self.before
 
+    def reserved_growth(self) -> Optional[int]:
+        """Growth of the CUDA allocator's reserved peak; None on CPU."""
+        if self.cuda is None:
+            return None
+        return self.cuda.max_memory_reserved(self.device) - self.reserved_before
 
-def _digest(result: Any) -> str:
+
+def digest(result: Any) -> str:
     """SHA-256 of the result's bytes, read in place: the main job installs torch alone,
     and torch's ``.numpy()`` needs NumPy."""
     sha = hashlib.sha256()
@@ -605,6 +639,9 @@ def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, 
     # allocation tracking returned its free pages) is not the gather's.
     peak = {mode: max(statistics.median(r.peaks) for r in ranks) for mode, ranks in results.items()}
     median = {mode: statistics.median(_samples([r.seconds for r in ranks], world)) for mode, ranks in results.items()}
+    # CUDA: the allocator's reserved peak grows by whole segments, so it is shown beside the allocated one.
+    reserved = {mode: max(statistics.median(r.reserved) for r in ranks) if all(r.reserved for r in ranks) else None
+                for mode, ranks in results.items()}
     floor = per_rank * (world + 1)  # the input, plus the gathered result that must exist
     return {
         "pattern": pattern.name, "label": pattern.label, "stands_for": pattern.stands_for,
@@ -612,6 +649,7 @@ def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, 
         "bytes_per_rank": per_rank, "floor": floor,
         "peak_torch": peak["torch"], "peak_memgather": peak["memgather"],
         "peak_ratio": peak["memgather"] / peak["torch"], "memgather_vs_floor": peak["memgather"] / floor,
+        "reserved_torch": reserved["torch"], "reserved_memgather": reserved["memgather"],
         "time_torch": median["torch"], "time_memgather": median["memgather"],
         "time_ratio": median["memgather"] / median["torch"],
         "time_floor": time_floor, "time_memgather_vs_floor": median["memgather"] / time_floor,
@@ -633,11 +671,15 @@ def table(rows: List[Dict[str, Any]]) -> str:
     """The rows as an aligned text table."""
     header = ("pattern", "backend", "world", "peak torch", "peak memgather", "ratio", "memgather/floor",
               "time torch", "time memgather", "ratio", "time floor", "mg/time floor", "identical")
+    cuda = any(row.get("reserved_torch") is not None for row in rows)
+    if cuda:
+        header = header[:5] + ("reserved grew torch", "reserved grew memgather") + header[5:]
     lines = [header]
     for row in rows:
+        reserved = (human_size(row["reserved_torch"]), human_size(row["reserved_memgather"])) if cuda else ()
         lines.append((
             row["label"], row["backend"], str(row["world_size"]),
-            _size(row["peak_torch"]), _size(row["peak_memgather"]), f"{row['peak_ratio']:.3f}",
+            human_size(row["peak_torch"]), human_size(row["peak_memgather"]), *reserved, f"{row['peak_ratio']:.3f}",
             f"{row['memgather_vs_floor']:.3f}",
             _duration(row["time_torch"]), _duration(row["time_memgather"]), f"{row['time_ratio']:.3f}",
             _duration(row["time_floor"]), f"{row['time_memgather_vs_floor']:.3f}",
@@ -675,7 +717,7 @@ def _plot(rows: List[Dict[str, Any]], path: str) -> None:
     print(f"[bench] plot written to {path}")
 
 
-def _size(size: float) -> str:
+def human_size(size: float) -> str:
     if size >= 1 << 30:
         return f"{size / (1 << 30):.2f} GiB"
     if size >= 1 << 20:
@@ -687,7 +729,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -1,4 +1,4 @@
-"""The ``memgather`` command (also ``python -m memgather``): run, doctor, bench."""
+"""The ``memgather`` command (also ``python -m memgather``): selftest, run, doctor, bench."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ _DESCRIPTION = """\
 memgather rewires torch.distributed.all_gather calls of selected libraries to one
 flat buffer and a single collective, without editing their code.
 
+  memgather selftest [--sizes S]                          on a new cluster, first: every caller
+                                                          pattern, torch vs memgather verified
   memgather run [--targets T ...] [--check] [--verify] -- CMD ...   run CMD with memgather on
   memgather doctor                                        what memgather would do here
   memgather bench [...]                                   torch vs memgather, measured
@@ -21,10 +23,14 @@ flat buffer and a single collective, without editing their code.
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if args[:1] == ["bench"]:  # bench owns its options
+    if args[:1] == ["bench"]:  # bench and selftest own their options
         from memgather import bench
 
         return bench.main(args[1:])
+    if args[:1] == ["selftest"]:
+        from memgather import selftest
+
+        return selftest.main(args[1:])
     parsed = parser.parse_args(args)
     if parsed.command == "run":
         return _run(parsed)
@@ -39,7 +45,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memgather", description=_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", metavar="{run,doctor,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{selftest,run,doctor,bench}")
+    commands.add_parser("selftest", help="run first on a new cluster, under its launcher: every caller pattern, "
+                        "torch vs memgather in verify mode (memgather selftest --help)", add_help=False)
     run = commands.add_parser(
         "run", help="run a command with memgather switched on",
         description="Set MEMGATHER=1 (and the options below) in the environment and exec CMD. Every Python "

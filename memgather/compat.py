@@ -308,6 +308,66 @@ def is_coalescing(group: Any) -> bool:
     return (group or dist.distributed_c10d._get_default_group()) in state
 
 
+# torch's NCCL process groups by class. The legacy one (every release's "nccl" up to 2.14)
+# flattens a list all_gather into a gathered-size temporary, runs ncclAllGather (the
+# single-tensor call's collective too) and copies out. ProcessGroupNCCL2 (torch 2.15's default
+# "nccl"; opt-in with TORCH_DIST_USE_NCCL2=1 in 2.14) runs one ncclBroadcast per rank straight
+# into the slots: no temporary, and a wire protocol other than the single-tensor call's.
+NCCL_FLAVOURS = {"ProcessGroupNCCL": "legacy", "ProcessGroupNCCL2": "nccl2"}
+
+
+def nccl_flavour(group: Any) -> Optional[str]:
+    """"legacy" or "nccl2" for a process group whose CUDA backend is one of torch's NCCL groups, else None.
+
+    Told by the backend object's class, whatever name the group was created with
+    ("nccl", "nccl-legacy", "nccl2", or an environment variable choosing the default).
+    """
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except (AttributeError, RuntimeError, ValueError, TypeError):  # no CUDA backend in this group
+        return None
+    return NCCL_FLAVOURS.get(type(backend).__name__)
+
+
+# The release from which ProcessGroupNCCL2 is "nccl" by default (TORCH_DIST_USE_NCCL2=0 keeps the
+# legacy group), and the one in which it is opt-in (TORCH_DIST_USE_NCCL2=1); read in torch 2.14.1's
+# and 2.15.0's distributed_c10d._register_builtin_nccl_backend.
+NCCL2_DEFAULT_SINCE = (2, 15)
+NCCL2_OPT_IN_SINCE = (2, 14)
+
+
+def default_nccl_flavour(version: str, use_nccl2: Optional[str]) -> str:
+    """The flavour a group created as "nccl" gets on torch ``version`` with TORCH_DIST_USE_NCCL2=``use_nccl2``.
+
+    torch reads the variable once, when torch.distributed is imported.
+    """
+    release = _release(version)
+    if release >= NCCL2_DEFAULT_SINCE:
+        return "legacy" if use_nccl2 == "0" else "nccl2"
+    if release >= NCCL2_OPT_IN_SINCE and use_nccl2 == "1":
+        return "nccl2"
+    return "legacy"
+
+
+def _find_dispatch_mode_active() -> Callable[[], bool]:
+    length = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    if length is not None:
+        return lambda: length() > 0
+    current = getattr(torch._C, "_get_torch_dispatch_mode", None)  # torch 1.13: one mode at most
+    if current is not None:
+        return lambda: current() is not None
+    return lambda: False
+
+
+# Whether a Python ``TorchDispatchMode`` is active.
+dispatch_mode_active: Callable[[], bool] = _find_dispatch_mode_active()
+
+
+def graph_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph (never initialises CUDA)."""
+    return torch.cuda.is_current_stream_capturing()
+
+
 profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
 

@@ -81,8 +81,10 @@ def all_gather(
     ``memgather.verification``: for test runs).
     """
     check = _settings.check if check is None else check
-    if not check and _small_on_gloo(tensor_list, tensor, group):
-        return _fall_back(Reason.BELOW_THRESHOLD, tensor_list, tensor, group, async_op)
+    if not check:
+        reason = _torchs_at_once(tensor_list, tensor, group)
+        if reason is not None:
+            return _fall_back(reason, tensor_list, tensor, group, async_op)
     elide = bool(_settings.elide) if elide is None else elide
     verify = _settings.verify if verify is None else verify
     if not compat.profiler_enabled():
@@ -144,21 +146,26 @@ def _small_gloo_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> b
             and not compat.is_compiling())
 
 
-def _small_on_gloo(tensor_list: Any, tensor: Any, group: Any) -> bool:
-    """Whether the call certainly takes the passthrough route, told from cheap facts.
+def _torchs_at_once(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
+    """Why the call certainly goes to torch, told from cheap facts; None where that takes the full path.
 
     Small gloo calls are the most frequent kind and the ones where memgather's
     own time shows: each microsecond of Python costs about two on the wall
-    clock of a 4 KiB gather. So they are recognised before anything else. A
+    clock of a 4 KiB gather. Calls on ProcessGroupNCCL2, which fills the slots
+    itself, are never rewired. So both are recognised before anything else. A
     call this cannot settle at once (a group not seen before, a subclass, a
     malformed list, another backend) takes the full path. Whatever the full
     path would have decided, such a call ends with the original all_gather.
     """
     info = groups.known(group)
     if info is None:
-        return False
+        return None
+    if info.nccl == "nccl2" and type(tensor) is torch.Tensor and tensor.is_cuda:
+        return Reason.NCCL2
     gathered = _gathered_bytes(tensor_list, info.world)
-    return gathered is not None and _below_gloo_threshold(info, tensor, gathered)
+    if gathered is not None and _below_gloo_threshold(info, tensor, gathered):
+        return Reason.BELOW_THRESHOLD
+    return None
 
 
 def _below_gloo_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
@@ -173,8 +180,17 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
         return Reason.NOT_A_TENSOR
     if has_torch_function((tensor,)):
         return Reason.TORCH_FUNCTION
+    if compat.dispatch_mode_active():
+        # A mode would see memgather's own operations, and one that keeps what it sees would
+        # hold memgather's tensors (each wait for gloo to let go would run to its bound).
+        return Reason.DISPATCH_MODE
     if compat.is_compiling():
         return Reason.COMPILING
+    if tensor.is_cuda and compat.graph_capturing():
+        # Check and verify modes read results on the host, a rebind allocates (from the graph's
+        # private pool, for every replay to reuse) and frees memory from before capture: torch's
+        # own call is what capture records safely. Every rank captures the same program.
+        return Reason.GRAPH_CAPTURE
     if compat.functorch_wrapped([tensor, *(tensor_list if type(tensor_list) is list else ())]):
         return Reason.FUNCTORCH
     if not dist.is_initialized():
@@ -194,14 +210,15 @@ def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
         return None
     device = tensor.device
     backend = routes.backend_for_device(info.backend, device)
-    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor())
+    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor(),
+                         info.nccl)
 
 
 def _plan(
     route: Optional[routes.Route], tensor_list: Any, tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
 ) -> Plan:
     if gathered is not None and route is None:
-        return fallback(Reason.BACKEND)
+        return fallback(Reason.NCCL2 if info.nccl == "nccl2" and tensor.is_cuda else Reason.BACKEND)
     if route is routes.PASSTHROUGH:  # decided before planning: this path must stay cheap
         return fallback(Reason.BELOW_THRESHOLD)
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
@@ -232,14 +249,26 @@ def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, 
            route: Optional[routes.Route]) -> Tuple[Plan, Optional[routes.Route]]:
     """The plan every rank follows, and the route, settled from what every rank read alike."""
     even = all(s.shape == tensor.shape and s.dtype == tensor.dtype for s in tensor_list)
-    # Ranks set to different in-place routes would meet on two wire protocols: all take none.
-    code = config.GLOO_ROUTES.index(_settings.gloo_route) + 1 if route is not None and route.in_place else 1
+    code = _route_code(route)
     verdict = agreement.agree(_original_all_gather, group, tensor, chosen.rewires, even, world, check, code)
     if route is not None:
         route = routes.settle(route, _settings.gloo_route, verdict.spans_hosts, tensor.dtype)
     if verdict.reason is None or not chosen.rewires:
         return chosen, route
     return fallback(verdict.reason), route
+
+
+def _route_code(route: Optional[routes.Route]) -> int:
+    """What this rank would act on, as the agreement row carries it (> 0).
+
+    Ranks that would meet on two wire protocols all take none: an in-place route
+    set differently (MEMGATHER_GLOO_ROUTE), or an in-place route on one rank and
+    the single call on another (a call made with async_op=True on one rank only,
+    with check on: both ranks then agree first).
+    """
+    if route is None or not route.in_place:
+        return len(config.GLOO_ROUTES) + 1
+    return config.GLOO_ROUTES.index(_settings.gloo_route) + 1
 
 
 def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:

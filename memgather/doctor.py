@@ -57,7 +57,6 @@ def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None
 
     if primitive is None:
         return {name: "every call stays with torch (no single-tensor all-gather)" for name in ("gloo", "nccl", "mpi", "ucc")}
-    fresh = "rebound to one buffer" if compat.can_prove_exclusive() else "left to torch (no storage use count to prove a rebind safe)"
     since = ".".join(map(str, compat.GLOO_SINGLE_TENSOR_SINCE))
     threshold = _size(routes.gloo_threshold(gloo_min_bytes))
     if compat.gloo_has_single_tensor():
@@ -66,10 +65,26 @@ def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None
         gloo_async = f"async ones stay with torch (gloo has no single-tensor all-gather before torch {since})"
     return {
         "gloo": f"sync calls from {threshold} per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into the slots (a group whose ranks run on more than one host: a ring of point-to-point transfers; MEMGATHER_GLOO_ROUTE); {gloo_async}",
-        "nccl": f"{primitive} into one buffer: views of it written in place, fresh slots {fresh}",
+        "nccl": nccl_plan(primitive),
         "mpi": "every call stays with torch",
         "ucc": "every call stays with torch",
     }
+
+
+def nccl_plan(primitive: str) -> str:
+    """What memgather does on each NCCL flavour, and which one "nccl" is here (see compat.nccl_flavour)."""
+    import torch
+
+    from memgather import compat
+
+    setting = os.environ.get("TORCH_DIST_USE_NCCL2")
+    default = compat.default_nccl_flavour(torch.__version__, setting)
+    shown = "unset" if setting is None else repr(setting)
+    return (f'"nccl" is the {default} group here (torch {torch.__version__}, TORCH_DIST_USE_NCCL2 {shown}). '
+            f"legacy ProcessGroupNCCL: slots that already are views of one buffer (DeepSpeed ZeRO's) take "
+            f"{primitive} straight into it, saving the gathered-size temporary its list call allocates; fresh "
+            f"slots stay with torch (CUDA memory is never rebound). ProcessGroupNCCL2: every call stays with "
+            f"torch (it fills the slots itself: nothing to save)")
 
 
 def elision_lines(elide: Optional[bool]) -> List[str]:

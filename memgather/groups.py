@@ -17,13 +17,14 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-from memgather import report
+from memgather import compat, report
 
 
 class GroupInfo(NamedTuple):
     world: int
     rank: int
     backend: str  # as torch.distributed.get_backend gives it, e.g. "gloo" or "cpu:gloo,cuda:nccl"
+    nccl: Optional[str] = None  # the flavour of its NCCL backend, if any: "legacy" or "nccl2" (compat.nccl_flavour)
 
 
 _known: Dict[int, Tuple[Any, GroupInfo]] = {}
@@ -49,7 +50,9 @@ def describe(group: Any) -> GroupInfo:
     if info is not None:
         return info
     pg = _process_group(group)
-    info = GroupInfo(dist.get_world_size(group), dist.get_rank(group), str(dist.get_backend(group)))
+    backend = str(dist.get_backend(group))
+    flavour = compat.nccl_flavour(pg) if "nccl" in backend.lower() else None
+    info = GroupInfo(dist.get_world_size(group), dist.get_rank(group), backend, flavour)
     if pg is dist.GroupMember.WORLD:
         # A default group seen for the first time may be a new one, after destroy_process_group():
         # this process's rank in it is the one its exit report must name.

@@ -38,7 +38,9 @@ def note_rank(rank: int) -> None:
 
 
 def _report() -> None:
-    rank = _rank if _rank is not None else _rank_from_environment()
+    rank = _live_rank()
+    if rank is None:
+        rank = _rank if _rank is not None else _rank_from_environment()
     # A process that never joined a group (a launcher, say) is not a rank: no line.
     if _mode == "off" or rank is None or (_mode == "rank0" and rank != 0):
         return
@@ -47,6 +49,16 @@ def _report() -> None:
     # Written, not logged: the user asked for this report by setting MEMGATHER_REPORT.
     sys.stderr.write(f"[memgather rank {rank}] {stats()}\n")
     sys.stderr.flush()
+
+
+def _live_rank() -> Optional[int]:
+    """This process's rank in the default group that exists at exit, if one does: after
+    ``destroy_process_group()`` and a new ``init_process_group()`` it is the latest."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist.get_rank() if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _rank_from_environment() -> Optional[int]:

@@ -103,6 +103,7 @@ def choose(
     async_op: bool,
     gloo_min_bytes: Optional[int] = None,
     gloo_single: bool = True,
+    nccl_flavour: Optional[str] = None,
 ) -> Optional[Route]:
     """The route for this call, or None where no route is known to be safe.
 
@@ -113,6 +114,7 @@ def choose(
     ``gloo_single`` says whether this torch's gloo has the single-tensor
     all-gather (``compat.gloo_has_single_tensor``). Large synchronous gloo calls
     get ``BROADCAST``, which ``settle`` may turn into the ring once the ranks agreed.
+    ``nccl_flavour`` is the group's NCCL backend (``compat.nccl_flavour``).
     """
     if backend == "gloo" and device.type == "cpu":
         if gathered_bytes < world * gloo_threshold(gloo_min_bytes):
@@ -122,8 +124,11 @@ def choose(
         if async_op:
             return SINGLE_STAGED if gloo_single else None
         return BROADCAST
-    if backend == "nccl" and device.type == "cuda":
-        return SINGLE_IN_PLACE
+    if backend.startswith("nccl") and device.type == "cuda":
+        # Only the legacy group's list call runs the single call's collective (ncclAllGather
+        # into a temporary): a rank that fell back still meets one that took the single call,
+        # and the temporary is saved. ProcessGroupNCCL2 fills the slots itself, with broadcasts.
+        return SINGLE_IN_PLACE if nccl_flavour == "legacy" else None
     if backend == "fake":  # torch's no-op test backend: used to time memgather itself
         return SINGLE_STAGED
     return None

@@ -96,19 +96,20 @@ def versions(slots: List[torch.Tensor]) -> List[int]:
 
 
 def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
-    """Leave each slot's version one past ``before``, as the original all_gather's one in-place write does.
+    """Leave the slots' version counters as the original all_gather does: one bump per slot.
 
-    memgather's own ``set_`` and copies bump the counters too; those are not
-    writes torch would make, so the counters are set rather than bumped where
-    torch allows it.
+    torch's list call copies into each slot in turn, so a counter that several
+    slots share (views of one tensor) moves once per slot. memgather's own
+    ``set_`` and copies bump the counters too; those are not writes torch would
+    make, so the counters are first set back to ``before`` where torch allows it.
     """
     if compat.can_set_version():
         for slot, version in zip(slots, before):
             if version >= 0:
-                compat.set_version(slot, version + 1)
-        return
-    for slot in slots:
-        compat.increment_version(slot)
+                compat.set_version(slot, version)
+    for slot, version in zip(slots, before):
+        if version >= 0:
+            compat.increment_version(slot)
 
 
 def _reallocate(slots: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:

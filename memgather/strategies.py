@@ -42,10 +42,13 @@ class Reason(str, enum.Enum):
     NOT_IN_GROUP = "not_in_group"  # torch warns and returns None
     COMPILING = "compiling"  # Dynamo maps all_gather to functional collectives itself
     COALESCING = "coalescing"  # inside _coalescing_manager, torch queues the op
+    GRAPH_CAPTURE = "graph_capture"  # CUDA graph capture: no host sync, no allocation, no free may happen
     NO_PRIMITIVE = "no_primitive"  # this torch has no single-tensor all-gather
     BACKEND = "backend"  # backend/device pair without a route known to be safe
+    NCCL2 = "nccl2"  # ProcessGroupNCCL2 fills the slots itself: no temporary to save, another wire protocol
     BELOW_THRESHOLD = "below_threshold"  # gloo call too small to save anything
     TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
+    DISPATCH_MODE = "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations
     FUNCTORCH = "functorch"  # input or a slot is a vmap / grad transform's wrapper: no storage of its own
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
     WRONG_LENGTH = "wrong_length"  # list length is not the group size

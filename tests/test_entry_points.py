@@ -181,7 +181,7 @@ def test_bench_digest_needs_no_numpy() -> None:
               "from memgather import bench\n"
               "parts = [torch.arange(6.0).reshape(2, 3).t(), torch.tensor(7, dtype=torch.int16), torch.empty(0)]\n"
               "want = hashlib.sha256(b''.join(bytes(p.contiguous().reshape(-1).view(torch.uint8).tolist()) for p in parts))\n"
-              "assert bench._digest(parts) == want.hexdigest()\n"
-              "assert bench._digest(parts[0]) == hashlib.sha256(bytes(parts[0].contiguous().reshape(-1).view(torch.uint8).tolist())).hexdigest()\n")
+              "assert bench.digest(parts) == want.hexdigest()\n"
+              "assert bench.digest(parts[0]) == hashlib.sha256(bytes(parts[0].contiguous().reshape(-1).view(torch.uint8).tolist())).hexdigest()\n")
     done = _run([PYTHON, "-c", script])
     assert done.returncode == 0, done.stderr[-3000:]

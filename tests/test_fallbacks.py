@@ -377,22 +377,37 @@ def _cannot_prove_exclusive(pools: Any) -> Counter:
     ))
 
 
-def _input_not_contiguous(pools: Any) -> Counter:
-    """A transposed input on NCCL (the route that reads the input as raw memory), world 1.
-
-    Only NCCL's route requires a contiguous input, so without a CUDA device this
-    reason cannot be reached; test_routes.py checks the route table instead.
-    """
+def _on_nccl(reason: str, backend: str, outcome: str) -> Counter:
+    """``outcome(gather)`` (script text) under torch, then under memgather, in a fresh process that is a
+    world of 1 on ``backend`` with a CUDA device; both must observe the same. Skips without CUDA:
+    ``reason`` is reachable only there."""
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
-        pytest.skip("input_not_contiguous is reachable only on NCCL with a CUDA device")
-    got = _run_script(
-        """
+        pytest.skip(f"{reason} is reachable only on NCCL with a CUDA device")
+    got = _run_script("".join(textwrap.dedent(part) for part in (
+        f"""
         import tempfile
         import memgather
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-        given = torch.arange(6.0, device="cuda").view(2, 3).t()  # a transposed view: not contiguous
+        dist.init_process_group("{backend}", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        """,
+        outcome,
+        """
+        want = outcome(dist.all_gather)
+        memgather.reset_stats()
+        got = outcome(memgather.all_gather)
+        print(json.dumps({"fallbacks": dict(memgather.stats().fallbacks), "same": got == want}))
+        """,
+    )))
+    assert got["same"], got
+    return Counter(got["fallbacks"])
+
+
+def _input_not_contiguous(pools: Any) -> Counter:
+    """A transposed input on NCCL (the route that reads the input as raw memory), world 1.
+    Only NCCL's route requires a contiguous input; test_routes.py checks the route table on CPU."""
+    return _on_nccl("input_not_contiguous", "nccl", """
         def outcome(gather):
+            given = torch.arange(6.0, device="cuda").view(2, 3).t()  # a transposed view: not contiguous
             slots = [torch.zeros(3, 2, device="cuda")]
             try:
                 gather(slots, given)
@@ -400,14 +415,70 @@ def _input_not_contiguous(pools: Any) -> Counter:
                 return ["raise", type(error).__name__]
             torch.cuda.synchronize()
             return ["ok", slots[0].tolist()]
-        want = outcome(dist.all_gather)
-        memgather.reset_stats()
-        got = outcome(memgather.all_gather)
-        print(json.dumps({"fallbacks": dict(memgather.stats().fallbacks), "same": got == want}))
-        """
-    )
-    assert got["same"], got
-    return Counter(got["fallbacks"])
+        """)
+
+
+def _nccl2(pools: Any) -> Counter:
+    """A gather on a ProcessGroupNCCL2 group (backend "nccl2", torch 2.14 on), twice: the first
+    call describes the group (full path), the second is settled at once."""
+    if compat._release(torch.__version__) < compat.NCCL2_OPT_IN_SINCE:
+        pytest.skip(f"torch {torch.__version__} has no ProcessGroupNCCL2")
+    counted = _on_nccl("nccl2", "nccl2", """
+        def outcome(gather):
+            results = []
+            for _ in range(2):
+                slots = list(torch.zeros(1, 6, device="cuda").unbind(0))  # views of one buffer
+                gather(slots, torch.arange(6.0, device="cuda"))
+                results.append(slots[0].tolist())
+            return results
+        """)
+    assert counted == Counter({"nccl2": 2}), counted
+    return counted
+
+
+def _graph_capture(pools: Any) -> Counter:
+    """A gather captured into a CUDA graph: left to torch, whose call capture records. Replayed,
+    the graph must leave the slots as torch's captured call does."""
+    return _on_nccl("graph_capture", "nccl", """
+        def outcome(gather):
+            given = torch.zeros(1 << 20, device="cuda")
+            slots = [torch.empty_like(given)]
+            gather(slots, given)  # warm-up outside capture, as CUDA graphs require of NCCL
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                gather(slots, given)
+            given.fill_(7.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            return slots[0].sum().item()
+        """)
+
+
+def kept_by_a_mode(ctx: Any) -> Dict[str, Any]:
+    """A gather on the broadcast route inside a TorchDispatchMode, torch's then memgather's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    def run(gather: Any) -> Any:
+        slots = [torch.empty(BIG) for _ in range(ctx.world)]
+        with Watching():
+            gather(slots, torch.full((BIG,), float(ctx.rank)))
+        return [s[0].item() for s in slots]
+
+    want = run(dist.all_gather)
+    memgather.reset_stats()
+    got = run(memgather.all_gather)
+    return {"same": got == want, "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+def _dispatch_mode(pools: Any) -> Counter:
+    results = unwrap(pools(2).run(kept_by_a_mode))
+    assert all(result["same"] for result in results), results
+    return Counter(results[0]["fallbacks"])
 
 
 REACHES: Dict[Reason, Callable[[Any], Counter]] = {
@@ -415,10 +486,13 @@ REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.NOT_IN_GROUP: _not_in_group,
     Reason.COMPILING: _compiling,
     Reason.COALESCING: _coalescing,
+    Reason.GRAPH_CAPTURE: _graph_capture,
     Reason.NO_PRIMITIVE: _no_primitive,
     Reason.BACKEND: partial(_bad_input, "meta_device"),
+    Reason.NCCL2: _nccl2,
     Reason.BELOW_THRESHOLD: _below_threshold,
     Reason.TORCH_FUNCTION: partial(_bad_input, "input_torch_function"),
+    Reason.DISPATCH_MODE: _dispatch_mode,
     Reason.FUNCTORCH: _functorch,
     Reason.NOT_A_LIST: partial(_bad_input, "not_a_list"),
     Reason.WRONG_LENGTH: partial(_bad_input, "wrong_length"),

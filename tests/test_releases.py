@@ -7,6 +7,7 @@ or a route the release does not have fails here, not on a user's cluster.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Any
@@ -49,8 +50,9 @@ def test_doctor_shows_each_backends_verdict_on_this_release() -> None:
     assert "gloo  available: sync calls from 2 MiB per rank" in lines["gloo"]
     gloo_async = f"async ones through {primitive}" if compat.gloo_has_single_tensor() else "async ones stay with torch"
     assert gloo_async in lines["gloo"], lines["gloo"]
-    fresh = "fresh slots rebound" if compat.can_prove_exclusive() else "fresh slots left to torch"
-    assert f"{primitive} into one buffer" in lines["nccl"] and fresh in lines["nccl"], lines["nccl"]
+    default = compat.default_nccl_flavour(torch.__version__, os.environ.get("TORCH_DIST_USE_NCCL2"))
+    assert f'"nccl" is the {default} group here' in lines["nccl"], lines["nccl"]
+    assert f"take {primitive} straight into it" in lines["nccl"] and "fresh slots stay with torch" in lines["nccl"]
     assert "every call stays with torch" in lines["mpi"]
 
 

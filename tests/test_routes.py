@@ -23,8 +23,6 @@ MIB = 1 << 20
         ("gloo", CPU, 2 * MIB, False, routes.BROADCAST),
         ("gloo", CPU, 64 * MIB, True, routes.SINGLE_STAGED),
         ("gloo", CUDA, 64 * MIB, False, None),
-        ("nccl", CUDA, 4 << 10, False, routes.SINGLE_IN_PLACE),
-        ("nccl", CUDA, 64 * MIB, False, routes.SINGLE_IN_PLACE),
         ("nccl", CPU, 4 << 10, False, None),
         ("fake", CPU, 4 << 10, False, routes.SINGLE_STAGED),
         ("mpi", CPU, 4 << 10, False, None),
@@ -33,6 +31,48 @@ MIB = 1 << 20
 )
 def test_choose(backend: str, device: torch.device, per_rank: int, async_op: bool, expected: object) -> None:
     assert routes.choose(backend, device, per_rank * 3, 3, async_op) is expected
+
+
+@pytest.mark.parametrize(
+    "backend,flavour,expected",
+    [
+        ("nccl", "legacy", routes.SINGLE_IN_PLACE),
+        ("nccl-legacy", "legacy", routes.SINGLE_IN_PLACE),
+        ("nccl", "nccl2", None),  # fills the slots itself: nothing to save, another wire protocol
+        ("nccl2", "nccl2", None),
+        ("nccl", None, None),  # an NCCL group of a class memgather has not read (e.g. nccl-lazy)
+    ],
+)
+def test_nccl_by_flavour(backend: str, flavour: Any, expected: object) -> None:
+    for per_rank in (4 << 10, 64 * MIB):
+        assert routes.choose(backend, CUDA, per_rank * 3, 3, False, nccl_flavour=flavour) is expected
+    assert routes.choose(backend, CPU, 64 * MIB, 3, False, nccl_flavour=flavour) is None
+
+
+def test_nccl_flavour_is_told_by_the_groups_cuda_backend_class() -> None:
+    """The classes can only be built with a GPU: stand-ins named like them, as _get_backend returns them."""
+    from memgather import compat
+
+    def group_with(name: str) -> Any:
+        backend = type(name, (), {})()
+        return type("ProcessGroup", (), {"_get_backend": lambda self, device: backend})()
+
+    assert compat.nccl_flavour(group_with("ProcessGroupNCCL")) == "legacy"
+    assert compat.nccl_flavour(group_with("ProcessGroupNCCL2")) == "nccl2"
+    assert compat.nccl_flavour(group_with("ProcessGroupNCCLLazy")) is None
+
+
+def test_a_gloo_group_has_no_nccl_flavour(pools: Any) -> None:
+    assert unwrap(pools(2).run(flavour_of_world)) == [[None, None]] * 2
+
+
+def flavour_of_world(ctx: Any) -> List[Any]:
+    """A real gloo group: its _get_backend(cuda) raises, and describe() records no flavour."""
+    import torch.distributed as dist
+
+    from memgather import compat, groups
+
+    return [compat.nccl_flavour(dist.GroupMember.WORLD), groups.describe(None).nccl]
 
 
 def test_gloo_threshold_is_adjustable() -> None:
@@ -149,3 +189,14 @@ def mixed_routes(ctx: Any) -> Dict[str, Any]:
 def test_ranks_set_to_different_routes_all_fall_back(pools: Any) -> None:
     for result in unwrap(pools(2).run(mixed_routes)):
         assert result == {"correct": True, "fallbacks": {"peer_fallback": 1}}, result
+
+
+@pytest.mark.parametrize("version,setting,expected", [
+    ("2.13.0+cpu", None, "legacy"), ("2.13.0", "1", "legacy"),  # no ProcessGroupNCCL2 to opt into
+    ("2.14.1", None, "legacy"), ("2.14.1", "1", "nccl2"), ("2.14.1", "0", "legacy"),
+    ("2.15.0", None, "nccl2"), ("2.15.0", "0", "legacy"), ("2.15.0", "1", "nccl2"), ("2.16.0a0+git1", None, "nccl2"),
+])
+def test_default_nccl_flavour_by_release_and_setting(version: str, setting: Any, expected: str) -> None:
+    from memgather import compat
+
+    assert compat.default_nccl_flavour(version, setting) == expected

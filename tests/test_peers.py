@@ -1,0 +1,143 @@
+"""What ranks see of one another's choices, and what a program sees of memgather's own work:
+version counters of slots that share one, ranks that make the call differently (async_op on
+one rank only), a dispatch mode watching, and the exit report's rank after a new default group.
+Each on real gloo ranks, compared with torch alone in the same processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from tests.conftest import EAGER, unwrap
+from tests.jobs import environment
+
+BIG = 655360  # float32 elements: 2.5 MiB per rank, gloo's broadcast route
+
+
+def views_versions(ctx: Any, numel: int, async_op: bool) -> Dict[str, Any]:
+    """Slots that are views of one buffer share its version counter: torch's list call bumps it
+    once per slot. memgather's direct route must leave it where torch does."""
+    import torch.distributed as dist
+
+    import memgather
+
+    def run(gather: Any) -> List[Any]:
+        flat = torch.zeros(ctx.world * numel)
+        flat.add_(0)  # a version of its own before the call
+        slots = list(flat.view(ctx.world, numel).unbind(0))
+        work = gather(slots, torch.full((numel,), float(ctx.rank)), async_op=async_op)
+        if work is not None:
+            work.wait()
+        return [flat._version] + [s._version for s in slots] + [flat.view(ctx.world, numel)[:, 0].tolist()]
+
+    want = run(dist.all_gather)
+    memgather.reset_stats()
+    got = run(memgather.all_gather)
+    return {"torch": want, "memgather": got, "rewired": memgather.stats().rewired}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("numel,async_op", [(BIG, False), (BIG, True), (5, False)], ids=["broadcast", "single", "small"])
+def test_shared_version_counters_move_as_under_torch(pools: Any, world: int, numel: int, async_op: bool) -> None:
+    for result in unwrap(pools(world, **EAGER).run(views_versions, numel, async_op)):
+        assert result["memgather"] == result["torch"], result
+        assert result["torch"][0] == 1 + world  # one bump per slot on the shared counter
+        assert result["rewired"] == 1
+
+
+def async_on_rank_zero(ctx: Any, check: bool) -> Dict[str, Any]:
+    """Rank 0 calls with async_op=True, the others without; with check on every rank agrees first,
+    and ranks that would take two wire protocols (the single call, the broadcasts) all take torch's."""
+    import torch.distributed as dist
+
+    import memgather
+
+    slots = [torch.empty(BIG) for _ in range(ctx.world)]
+    memgather.reset_stats()
+    work = memgather.all_gather(slots, torch.full((BIG,), float(ctx.rank)), async_op=ctx.rank == 0, check=check)
+    if work is not None:
+        work.wait()
+    correct = all(torch.equal(s, torch.full((BIG,), float(r))) for r, s in enumerate(slots))
+    dist.barrier()
+    return {"correct": correct, "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+def test_async_on_one_rank_with_check_falls_back_on_every_rank(pools: Any) -> None:
+    for result in unwrap(pools(2).run(async_on_rank_zero, True)):
+        assert result == {"correct": True, "fallbacks": {"peer_fallback": 1}}, result
+
+
+def under_a_keeping_mode(ctx: Any) -> Dict[str, Any]:
+    """A TorchDispatchMode that keeps every tensor it sees: memgather steps aside (it would see
+    memgather's own operations, and hold memgather's tensors so that each wait ran to its bound)."""
+    import time
+
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import memgather
+
+    class Keeper(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept: List[Any] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            self.kept.append((args, out))
+            return out
+
+    def run(gather: Any) -> Any:
+        slots = [torch.empty(BIG) for _ in range(ctx.world)]
+        with Keeper():
+            started = time.perf_counter()
+            gather(slots, torch.full((BIG,), float(ctx.rank)))
+            took = time.perf_counter() - started
+        return [s[0].item() for s in slots], took
+
+    want, _ = run(dist.all_gather)
+    memgather.reset_stats()
+    got, took = run(memgather.all_gather)
+    return {"same": got == want, "fallbacks": dict(memgather.stats().fallbacks), "under_a_second": took < 1.0}
+
+
+def test_a_dispatch_mode_leaves_the_call_to_torch(pools: Any) -> None:
+    for result in unwrap(pools(2).run(under_a_keeping_mode)):
+        assert result == {"same": True, "fallbacks": {"dispatch_mode": 1}, "under_a_second": True}, result
+
+
+def test_the_exit_report_names_the_rank_of_the_default_group_at_exit(tmp_path: Any) -> None:
+    """A world of 2, destroyed; a new world of 2 in which the ranks swap and only a subgroup
+    gathers: the report names each process's rank in the new default group."""
+    script = tmp_path / "swap.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, sys, torch, torch.distributed as dist
+        import memgather
+        first = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=first, world_size=2)
+        memgather.all_gather([torch.empty(3) for _ in range(2)], torch.ones(3))
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=1 - first, world_size=2)
+        sub = dist.new_group([0, 1])
+        memgather.all_gather([torch.empty(3) for _ in range(2)], torch.ones(3), group=sub)
+        dist.barrier()
+        """
+    ))
+    from tests.pool import free_port
+
+    ports = [str(free_port()), str(free_port())]
+    env = environment(MEMGATHER="1", MEMGATHER_REPORT="all")
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), *ports], stderr=subprocess.PIPE, text=True,
+                              env=env) for rank in range(2)]
+    reports = []
+    for rank, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        reports.append([line.split("]")[0] for line in err.splitlines() if line.startswith("[memgather rank")])
+    assert reports == [["[memgather rank 1"], ["[memgather rank 0"]], reports
