@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--matrix", action="store_true",
                         help="instead: world 2, 4 and 8 on one host and across hosts, 4 and 64 MiB per rank, "
                              "unshaped, 10gbit and 1gbit links, memgather's route and the other one; one row per case "
-                             "(about 40 minutes on 2 cores)")
+                             "(about an hour on 2 cores)")
     args = parser.parse_args()
     if args.matrix:
         matrix(args.repeat)
