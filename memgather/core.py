@@ -9,6 +9,7 @@ goes to the original ``torch.distributed.all_gather`` unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, List, Optional, Tuple
 
@@ -106,9 +107,14 @@ def _all_gather(
         world = info.world
         gathered = _gathered_bytes(tensor_list, world)
         route = _route(tensor, info, gathered, async_op)
-        chosen = _plan(route, tensor_list, tensor, info, gathered)
+        # A dispatch mode would see memgather's own operations (its checks among them), and one that
+        # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
+        # Settled like a plan, in the exchange, so that ranks without the mode fall back too.
+        watched = compat.dispatch_mode_active()
+        chosen = fallback(Reason.DISPATCH_MODE) if watched else _plan(route, tensor_list, tensor, info, gathered)
         if gathered is not None and (check or (route is not None and route.needs_agreement)):
-            chosen, route = _agree(chosen, tensor_list, tensor, group, world, check, route)
+            with compat.outside_modes() if watched else contextlib.nullcontext():  # the exchange is memgather's own
+                chosen, route = _agree(chosen, tensor_list, tensor, group, world, check, route)
     if not chosen.rewires:
         return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
     assert route is not None and gathered is not None  # a plan that rewires had both
@@ -180,10 +186,6 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
         return Reason.NOT_A_TENSOR
     if has_torch_function((tensor,)):
         return Reason.TORCH_FUNCTION
-    if compat.dispatch_mode_active():
-        # A mode would see memgather's own operations, and one that keeps what it sees would
-        # hold memgather's tensors (each wait for gloo to let go would run to its bound).
-        return Reason.DISPATCH_MODE
     if compat.is_compiling():
         return Reason.COMPILING
     if tensor.is_cuda and compat.graph_capturing():

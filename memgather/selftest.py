@@ -45,6 +45,7 @@ class Case:
     reserved_torch: int = 0
     reserved_memgather: int = 0
     differs: bool = False
+    verified: bool = False  # verify mode checked a rewired call (memgather.gather's small path is torch's own call)
     error: str = ""
 
 
@@ -55,16 +56,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import memgather
     from memgather import config
 
-    if config.load().enabled is False:
-        print("memgather selftest: MEMGATHER=0 switches memgather off in this process; unset it to test.",
-              file=sys.stderr)
-        return 2
     try:
-        sizes = bench.parse_sizes(args.sizes) if args.sizes else None
-    except ValueError as error:
-        print(f"memgather selftest: --sizes: {error}", file=sys.stderr)
+        if config.load().enabled is False:
+            raise ValueError("MEMGATHER=0 switches memgather off in this process; unset it to test")
+        sizes = _sizes(args.sizes)
+        device = _join(args.backend)
+    except (ValueError, RuntimeError) as error:  # a setting, a size, or no group to join: nothing was tested
+        print(f"memgather selftest: cannot run: {error}", file=sys.stderr)
         return 2
-    device = _join(args.backend)
     sizes = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     cases = [_run_case(pattern, size, device) for pattern in patterns.PATTERNS for size in sizes]
     _worst_of_ranks(cases, device)
@@ -92,6 +91,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sizes(text: Optional[str]) -> Optional[List[int]]:
+    """``--sizes`` read; None for the backend's defaults. Each a positive whole number of float32 elements."""
+    if text is None:
+        return None
+    sizes = bench.parse_sizes(text)
+    bad = [size for size in sizes if size <= 0 or size % 4]
+    if bad:
+        raise ValueError(f"--sizes {text!r}: every size must be a positive multiple of 4 bytes (float32 elements)")
+    return sizes
+
+
 def _join(backend: Optional[str]) -> Any:
     """Join the launcher's group (env://), or make a world of 1; returns this rank's device."""
     import torch
@@ -101,7 +111,10 @@ def _join(backend: Optional[str]) -> Any:
     cuda = torch.cuda.is_available() and dist.is_nccl_available()
     backend = backend or ("nccl" if cuda else "gloo")
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if not torch.cuda.is_available():
+            raise RuntimeError("--backend nccl needs a CUDA device, and this process sees none")
+        # Each rank sees every GPU of its node, or only its own (CUDA_VISIBLE_DEVICES per rank).
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -134,10 +147,12 @@ def _run_case(pattern: patterns.Pattern, per_rank: int, device: Any) -> Case:
     case.differs = got != want
     # Verified last: verify mode's scratch gather leaves memory behind that a later peak would miss.
     memgather.patch([patterns.MODULE], elide=pattern.elide, verify=True)
+    memgather.reset_stats()
     try:
         mine(tensor)  # raises VerifyError on every rank where a rewired call differs
     except memgather.VerifyError as error:
         case.error = str(error)
+    case.verified = memgather.stats().verified > 0
     return case
 
 
@@ -145,7 +160,7 @@ def _input(rank: int, per_rank: int, device: Any) -> Any:
     import torch
 
     generator = torch.Generator().manual_seed(rank)
-    return (torch.rand(max(1, per_rank // 4), generator=generator) * 1000).to(device)
+    return (torch.rand(per_rank // 4, generator=generator) * 1000).to(device)
 
 
 def _measured(gather: Any, tensor: Any) -> Tuple[int, int, str]:
@@ -249,10 +264,13 @@ def verdict(cases: List[Case], world: int, backend: str) -> str:
         names = ", ".join(sorted({f"{c.pattern} at {bench.size_label(c.per_rank)}" for c in bad}))
         return f"memgather selftest: FAIL ({where}): results differ from torch's in {names}. Keep MEMGATHER off here and report it."
     rewired = sum(1 for c in cases if c.took and not c.took.startswith("torch"))
+    verified = sum(1 for c in cases if c.verified)
     worse = sum(1 for c in cases if _worse(c))
-    memory = f"peak above torch's in {worse}" if worse else "peak at or below torch's in every case"
-    return (f"memgather selftest: PASS ({where}): results identical to torch's on every rank, "
-            f"{rewired} cases rewired and verified, {memory}")
+    margin = f"{_WORSE_BYTES >> 20} MiB and {_WORSE_SHARE:.0%}"
+    memory = (f"peak more than {margin} above torch's in {worse} (marked)" if worse
+              else f"peak never more than {margin} above torch's")
+    return (f"memgather selftest: PASS ({where}): results identical to torch's on every rank; "
+            f"{rewired} cases rewired, {verified} of them checked in verify mode; {memory}")
 
 
 def _worse(case: Case) -> bool:

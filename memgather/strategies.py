@@ -48,7 +48,7 @@ class Reason(str, enum.Enum):
     NCCL2 = "nccl2"  # ProcessGroupNCCL2 fills the slots itself: no temporary to save, another wire protocol
     BELOW_THRESHOLD = "below_threshold"  # gloo call too small to save anything
     TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
-    DISPATCH_MODE = "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations
+    DISPATCH_MODE = "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations (agreed on)
     FUNCTORCH = "functorch"  # input or a slot is a vmap / grad transform's wrapper: no storage of its own
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
     WRONG_LENGTH = "wrong_length"  # list length is not the group size

@@ -5,6 +5,7 @@ Each on real gloo ranks, compared with torch alone in the same processes."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -72,9 +73,10 @@ def test_async_on_one_rank_with_check_falls_back_on_every_rank(pools: Any) -> No
         assert result == {"correct": True, "fallbacks": {"peer_fallback": 1}}, result
 
 
-def under_a_keeping_mode(ctx: Any) -> Dict[str, Any]:
-    """A TorchDispatchMode that keeps every tensor it sees: memgather steps aside (it would see
-    memgather's own operations, and hold memgather's tensors so that each wait ran to its bound)."""
+def under_a_keeping_mode(ctx: Any, watched: List[int]) -> Dict[str, Any]:
+    """A TorchDispatchMode that keeps every tensor it sees, on the ranks in ``watched``: memgather steps
+    aside on every rank (a mode would see memgather's own operations, and hold memgather's tensors so
+    that each wait ran to its bound); the exchange that tells the others runs outside the mode."""
     import time
 
     import torch.distributed as dist
@@ -94,21 +96,26 @@ def under_a_keeping_mode(ctx: Any) -> Dict[str, Any]:
 
     def run(gather: Any) -> Any:
         slots = [torch.empty(BIG) for _ in range(ctx.world)]
-        with Keeper():
+        keeper = Keeper()
+        with keeper if ctx.rank in watched else contextlib.nullcontext():
             started = time.perf_counter()
             gather(slots, torch.full((BIG,), float(ctx.rank)))
             took = time.perf_counter() - started
-        return [s[0].item() for s in slots], took
+        return [s[0].item() for s in slots], took, len(keeper.kept)
 
-    want, _ = run(dist.all_gather)
+    want, _, seen_under_torch = run(dist.all_gather)
     memgather.reset_stats()
-    got, took = run(memgather.all_gather)
-    return {"same": got == want, "fallbacks": dict(memgather.stats().fallbacks), "under_a_second": took < 1.0}
+    got, took, seen = run(memgather.all_gather)
+    return {"same": got == want, "fallbacks": dict(memgather.stats().fallbacks), "under_a_second": took < 1.0,
+            "mode_saw_what_it_sees_under_torch": seen == seen_under_torch}
 
 
-def test_a_dispatch_mode_leaves_the_call_to_torch(pools: Any) -> None:
-    for result in unwrap(pools(2).run(under_a_keeping_mode)):
-        assert result == {"same": True, "fallbacks": {"dispatch_mode": 1}, "under_a_second": True}, result
+@pytest.mark.parametrize("watched", [[0, 1], [0]], ids=["every-rank", "rank-0-only"])
+def test_a_dispatch_mode_leaves_the_call_to_torch_on_every_rank(pools: Any, watched: List[int]) -> None:
+    for rank, result in enumerate(unwrap(pools(2).run(under_a_keeping_mode, watched))):
+        reason = "dispatch_mode" if rank in watched else "peer_fallback"
+        assert result == {"same": True, "fallbacks": {reason: 1}, "under_a_second": True,
+                          "mode_saw_what_it_sees_under_torch": True}, (rank, result)
 
 
 def test_the_exit_report_names_the_rank_of_the_default_group_at_exit(tmp_path: Any) -> None:
