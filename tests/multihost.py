@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from integration.harness import reports
 from tests.hosts import Hosts, simulated_hosts
@@ -136,18 +136,18 @@ def _pattern_table(runs: Dict[str, Dict[str, Any]]) -> None:
               f"{peak_a:10.3f}x {peak_b:14.3f}x{'' if same else '  RESULTS DIFFER'}")
 
 
-def matrix(repeat: int) -> None:
-    """Every layout of ``LAYOUTS`` at every size of ``SIZES``, across every link of ``RATES``
+def matrix(repeat: int, layouts: Sequence[Tuple[int, int]] = LAYOUTS) -> None:
+    """Every layout of ``layouts`` at every size of ``SIZES``, across every link of ``RATES``
     (one host: loopback only), one markdown row each, printed as it is measured; each case
-    also runs memgather set to the route it does not choose there (one host: the ring;
-    across hosts: the broadcasts)."""
+    also runs memgather set to the route it does not choose there (one host, or two ranks:
+    the ring; more ranks across hosts: the broadcasts)."""
     print("| world | hosts x ranks | link | MiB per rank | torch s | memgather time x (min, median, max) "
           "| torch peak | memgather peak | memgather's route | the other route: time x (min, median, max) | results |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for hosts, per_host in LAYOUTS:
+    for hosts, per_host in layouts:
         for rate in RATES if hosts > 1 else (None,):
             for mib in SIZES:
-                other = "ring" if hosts == 1 else "broadcast"
+                other = "broadcast" if hosts > 1 and hosts * per_host > 2 else "ring"
                 with simulated_hosts(hosts, rate) as made, tempfile.TemporaryDirectory() as tmp:
                     row = summary(compare(made, per_host, Path(tmp), mib, repeat=repeat, other_route=other))
                 link = rate or ("loopback" if hosts == 1 else "veth, unshaped")
@@ -155,6 +155,14 @@ def matrix(repeat: int) -> None:
                       f"| {_triple(row['time_x'])} | {row['torch_peak']:.3f} x | {row['memgather_peak']:.3f} x "
                       f"| {row['routes']} | {other}: {_triple(row['other_x'])} "
                       f"| {'identical' if row['identical'] else 'DIFFER'} |", flush=True)
+
+
+def _layouts(parser: argparse.ArgumentParser, text: str) -> List[Tuple[int, int]]:
+    try:
+        return [(int(h), int(r)) for h, r in (part.lower().split("x") for part in text.split(","))]
+    except ValueError:
+        parser.error(f"--layouts {text!r}: expected hosts x ranks per host, comma-separated, e.g. 2x1,2x2")
+        raise
 
 
 def _triple(values: Tuple[float, float, float]) -> str:
@@ -175,9 +183,11 @@ def main() -> None:
                         help="instead: world 2, 4 and 8 on one host and across hosts, 4 and 64 MiB per rank, "
                              "unshaped, 10gbit and 1gbit links, memgather's route and the other one; one row per case "
                              "(about an hour on 2 cores)")
+    parser.add_argument("--layouts", metavar="HxR,...",
+                        help="with --matrix: only these layouts, hosts x ranks per host (e.g. 2x1,2x2)")
     args = parser.parse_args()
     if args.matrix:
-        matrix(args.repeat)
+        matrix(args.repeat, _layouts(parser, args.layouts) if args.layouts else LAYOUTS)
         return
     with simulated_hosts(args.hosts, args.rate) as hosts, tempfile.TemporaryDirectory() as tmp:
         runs = compare(hosts, args.per_host, Path(tmp), args.mib, args.route, args.repeat)
