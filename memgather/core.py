@@ -254,7 +254,7 @@ def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, 
     code = _route_code(route)
     verdict = agreement.agree(_original_all_gather, group, tensor, chosen.rewires, even, world, check, code)
     if route is not None:
-        route = routes.settle(route, _settings.gloo_route, verdict.spans_hosts, tensor.dtype, world)
+        route = routes.settle(route, _settings.gloo_route, verdict.spans_hosts, tensor.dtype)
     if verdict.reason is None or not chosen.rewires:
         return chosen, route
     return fallback(verdict.reason), route

@@ -19,7 +19,7 @@ Three routes exist:
   own ring all-gather, and nothing but the output is allocated. Which of the
   two in-place routes a call takes is settled after the agreement round,
   from the host keys every rank read alike (``settle``): the ring where the
-  group's more than two ranks run on more than one host, else the broadcasts.
+  group's ranks run on more than one host, else the broadcasts.
 
 Gloo threshold. Broadcasts are taken from 2 MiB per rank; they save the
 gathered size in memory. ``memgather bench --routes`` (``--world-size 4``
@@ -134,20 +134,18 @@ def choose(
     return None
 
 
-def settle(route: Route, setting: str, spans_hosts: bool, dtype: torch.dtype, world: int) -> Route:
+def settle(route: Route, setting: str, spans_hosts: bool, dtype: torch.dtype) -> Route:
     """The in-place route every rank takes, from what all of them read alike in the agreement round.
 
     ``setting`` is ``MEMGATHER_GLOO_ROUTE`` (auto, broadcast or ring; the ranks
     agreed it is the same everywhere), ``spans_hosts`` whether the group's host
-    keys differ. A group of two keeps the broadcasts: each crosses the link once,
-    as the ring's one step does, and they measured as fast or faster (tests.multihost
-    --matrix, 2 hosts x 1 rank). The ring takes only dtypes every gloo release's
-    collectives accept (gloo's point-to-point transfers take any: the broadcasts then
-    keep torch's own "Invalid scalar type").
+    keys differ. The ring takes only dtypes every gloo release's collectives accept
+    (gloo's point-to-point transfers take any: the broadcasts then keep torch's
+    own "Invalid scalar type").
     """
     if route is not BROADCAST:
         return route
-    ring = setting == "ring" or (setting == "auto" and spans_hosts and world > 2)
+    ring = setting == "ring" or (setting == "auto" and spans_hosts)
     return RING if ring and dtype in RING_DTYPES else BROADCAST
 
 

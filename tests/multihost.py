@@ -139,15 +139,15 @@ def _pattern_table(runs: Dict[str, Dict[str, Any]]) -> None:
 def matrix(repeat: int, layouts: Sequence[Tuple[int, int]] = LAYOUTS) -> None:
     """Every layout of ``layouts`` at every size of ``SIZES``, across every link of ``RATES``
     (one host: loopback only), one markdown row each, printed as it is measured; each case
-    also runs memgather set to the route it does not choose there (one host, or two ranks:
-    the ring; more ranks across hosts: the broadcasts)."""
+    also runs memgather set to the route it does not choose there (one host: the ring;
+    across hosts: the broadcasts)."""
     print("| world | hosts x ranks | link | MiB per rank | torch s | memgather time x (min, median, max) "
           "| torch peak | memgather peak | memgather's route | the other route: time x (min, median, max) | results |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for hosts, per_host in layouts:
         for rate in RATES if hosts > 1 else (None,):
             for mib in SIZES:
-                other = "broadcast" if hosts > 1 and hosts * per_host > 2 else "ring"
+                other = "ring" if hosts == 1 else "broadcast"
                 with simulated_hosts(hosts, rate) as made, tempfile.TemporaryDirectory() as tmp:
                     row = summary(compare(made, per_host, Path(tmp), mib, repeat=repeat, other_route=other))
                 link = rate or ("loopback" if hosts == 1 else "veth, unshaped")

@@ -114,19 +114,16 @@ def test_gloo_single_tensor_support_by_torch_release(version: str, expected: boo
 def test_the_ring_where_the_group_spans_hosts_or_where_set() -> None:
     broadcast = routes.choose("gloo", CPU, 8 * MIB, 2, False)
     assert broadcast is routes.BROADCAST
-    assert routes.settle(broadcast, "auto", True, torch.float32, 3) is routes.RING
-    assert routes.settle(broadcast, "auto", True, torch.complex64, 3) is routes.RING
-    assert routes.settle(broadcast, "auto", False, torch.float32, 3) is routes.BROADCAST
-    # Two ranks: the broadcasts cross the link once each, as the ring's one step does.
-    assert routes.settle(broadcast, "auto", True, torch.float32, 2) is routes.BROADCAST
-    assert routes.settle(broadcast, "ring", True, torch.float32, 2) is routes.RING
-    assert routes.settle(broadcast, "ring", False, torch.float32, 3) is routes.RING
-    assert routes.settle(broadcast, "broadcast", True, torch.float32, 3) is routes.BROADCAST
+    assert routes.settle(broadcast, "auto", True, torch.float32) is routes.RING
+    assert routes.settle(broadcast, "auto", True, torch.complex64) is routes.RING
+    assert routes.settle(broadcast, "auto", False, torch.float32) is routes.BROADCAST
+    assert routes.settle(broadcast, "ring", False, torch.float32) is routes.RING
+    assert routes.settle(broadcast, "broadcast", True, torch.float32) is routes.BROADCAST
     # gloo's collectives refuse these on some or all releases; its point-to-point transfers would not
     for dtype in (torch.bool, torch.bfloat16, torch.int16):
-        assert routes.settle(broadcast, "ring", True, dtype, 3) is routes.BROADCAST
+        assert routes.settle(broadcast, "ring", True, dtype) is routes.BROADCAST
     for other in (routes.SINGLE_STAGED, routes.SINGLE_IN_PLACE):  # only the in-place gloo route moves
-        assert routes.settle(other, "ring", True, torch.float32, 3) is other
+        assert routes.settle(other, "ring", True, torch.float32) is other
     assert routes.RING.needs_agreement and routes.RING.in_place and routes.RING.saves_temp
 
 
