@@ -132,8 +132,8 @@ def test_restarted_workers_start_with_nothing_cached(restarted: Dict[str, Any]) 
         before, after = record["before"], record["after"]
         assert before["calls"] == 0 and before["cache_entries"] == 0 and before["known_world"] is None, before
         # What memgather knows afterwards is the restarted group, as this worker sees it.
-        assert after["cache_live"] == [[2, rank, "gloo"]] and after["cache_live_other"] == 0, after
-        assert after["known_world"] == [2, rank, "gloo"], after
+        assert after["cache_live"] == [[2, rank, "gloo", None]] and after["cache_live_other"] == 0, after
+        assert after["known_world"] == [2, rank, "gloo", None], after
 
 
 def test_report_lines_of_the_restart(restarted: Dict[str, Any]) -> None:
@@ -212,7 +212,7 @@ def test_no_group_information_outlives_its_group(reinit_on: Reinit) -> None:
     records, _ = reinit_on
     for record in records:
         where = f"process {record['index']}"
-        assert record["a"]["state"]["known_world"] == [3, record["index"], "gloo"], where
+        assert record["a"]["state"]["known_world"] == [3, record["index"], "gloo", None], where
         # Destroyed: nothing of the old group is left in the cache, not even a dead entry.
         assert record["after_destroy"]["cache_entries"] == 0, (where, record["after_destroy"])
         assert record["after_destroy"]["known_world"] is None, where
@@ -221,8 +221,8 @@ def test_no_group_information_outlives_its_group(reinit_on: Reinit) -> None:
             # The new group, before its first gather, is unknown: no entry can be taken for it.
             assert record["b"]["before"]["cache_entries"] == 0 and record["b"]["before"]["known_world"] is None, where
             state = record["b"]["state"]
-            assert state["known_world"] == [2, rank, "gloo"], (where, state)
-            assert state["cache_live"] == [[2, rank, "gloo"]] and state["cache_entries"] == 1, (where, state)
+            assert state["known_world"] == [2, rank, "gloo", None], (where, state)
+            assert state["cache_live"] == [[2, rank, "gloo", None]] and state["cache_entries"] == 1, (where, state)
 
 
 def test_exit_report_names_the_rank_of_the_latest_group(reinit_on: Reinit) -> None:
