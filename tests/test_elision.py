@@ -85,11 +85,27 @@ def kept_slot_after_result_dies(ctx: Any, numel: int) -> Dict[str, Any]:
     gc.collect()
     pinned = rss.current_bytes() - before  # the untouched slot still holds the whole buffer
     value = bool((mine == ctx.rank).all())  # its first use gives it its own copy: the buffer goes
-    gc.collect()
-    kept = rss.current_bytes() - before
+    kept = _settled_growth(before, bound=int(1.5 * numel * 4))
     if tracked:
         rss.track_allocations(False)
     return {"elided": elided, "pinned": pinned, "kept": kept, "slot": numel * 4, "value": value}
+
+
+def _settled_growth(before: int, bound: int) -> int:
+    """Resident-set growth since ``before``, read until it is under ``bound`` or 2 s have passed:
+    gloo's worker thread lets go of a finished call's tensors a moment late on a loaded machine."""
+    import gc
+    import time
+
+    from memgather import rss
+
+    deadline = time.monotonic() + 2.0
+    while True:
+        gc.collect()
+        grown = rss.current_bytes() - before
+        if grown < bound or time.monotonic() > deadline:
+            return grown
+        time.sleep(0.01)
 
 
 def test_a_kept_slot_holds_the_whole_buffer_until_first_used(pools: Any) -> None:
