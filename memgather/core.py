@@ -166,12 +166,17 @@ def _torchs_at_once(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reaso
     info = groups.known(group)
     if info is None:
         return None
-    if info.nccl == "nccl2" and type(tensor) is torch.Tensor and tensor.is_cuda:
+    if type(tensor) is torch.Tensor and _on_nccl2(info, tensor):
         return Reason.NCCL2
     gathered = _gathered_bytes(tensor_list, info.world)
     if gathered is not None and _below_gloo_threshold(info, tensor, gathered):
         return Reason.BELOW_THRESHOLD
     return None
+
+
+def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
+    """A CUDA tensor on a group whose NCCL backend is ProcessGroupNCCL2: left to torch (see routes.choose)."""
+    return info.nccl == "nccl2" and tensor.is_cuda
 
 
 def _below_gloo_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
@@ -220,7 +225,7 @@ def _plan(
     route: Optional[routes.Route], tensor_list: Any, tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
 ) -> Plan:
     if gathered is not None and route is None:
-        return fallback(Reason.NCCL2 if info.nccl == "nccl2" and tensor.is_cuda else Reason.BACKEND)
+        return fallback(Reason.NCCL2 if _on_nccl2(info, tensor) else Reason.BACKEND)
     if route is routes.PASSTHROUGH:  # decided before planning: this path must stay cheap
         return fallback(Reason.BELOW_THRESHOLD)
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():

@@ -70,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     memgather.unpatch()
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     if rank == 0:
-        print(table(cases, device.type == "cuda"))
+        print(table(cases, world, device.type == "cuda"))
         print(verdict(cases, world, str(backend)))
     dist.barrier()
     dist.destroy_process_group()
@@ -234,20 +234,19 @@ def _worst_of_ranks(cases: List[Case], device: Any) -> None:
             case.error = "VerifyError on another rank"
 
 
-def table(cases: List[Case], cuda: bool) -> str:
+def table(cases: List[Case], world: int, cuda: bool) -> str:
     """One aligned row per case."""
     header = ["pattern", "per rank", "memgather took", "peak torch", "peak memgather", "floor"]
     if cuda:
         header += ["reserved grew torch", "reserved grew memgather"]
     header.append("result")
     lines = [header]
-    world = _world()
     for case in cases:
         floor = case.per_rank * (world + 1)  # the input and the gathered result
-        row = [case.pattern, bench.size_label(case.per_rank), case.took or "-", human_size(case.peak_torch),
-               human_size(case.peak_memgather) + (" (above torch)" if _worse(case) else ""), human_size(floor)]
+        row = [case.pattern, bench.size_label(case.per_rank), case.took or "-", bench.human_size(case.peak_torch),
+               bench.human_size(case.peak_memgather) + (" (above torch)" if _worse(case) else ""), bench.human_size(floor)]
         if cuda:
-            row += [human_size(case.reserved_torch), human_size(case.reserved_memgather)]
+            row += [bench.human_size(case.reserved_torch), bench.human_size(case.reserved_memgather)]
         row.append(case.error or ("DIFFERS from torch" if case.differs else "identical"))
         lines.append(row)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -276,16 +275,6 @@ def verdict(cases: List[Case], world: int, backend: str) -> str:
 def _worse(case: Case) -> bool:
     excess = case.peak_memgather - case.peak_torch
     return excess > _WORSE_BYTES and excess > _WORSE_SHARE * case.peak_torch
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def human_size(nbytes: int) -> str:
-    return bench.human_size(nbytes)
 
 
 if __name__ == "__main__":
