@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, ContextManager, Iterable, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,18 @@ def subclass_hooks_off() -> ContextManager[Any]:
     return _subclass_hooks_off() if _subclass_hooks_off is not None else contextlib.nullcontext()
 
 
+def _storage_of(tensor: torch.Tensor) -> Any:
+    """``tensor.untyped_storage()``, with no subclass hook run: memgather looking at its own slots.
+
+    A plain ``torch.Tensor`` has no hook to switch off, and most slots are plain:
+    they skip the switch, which costs more than the lookup.
+    """
+    if type(tensor) is torch.Tensor:
+        return tensor.untyped_storage()
+    with subclass_hooks_off():
+        return tensor.untyped_storage()
+
+
 def _find_storage_ptr() -> Callable[[torch.Tensor], int]:
     if hasattr(torch.Tensor, "untyped_storage"):
         return lambda tensor: tensor.untyped_storage().data_ptr()
@@ -156,8 +168,7 @@ def storage_holders(tensor: torch.Tensor) -> Optional[int]:
 def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
     # The local storage object dies on return, so it cannot keep the memory
     # alive through a rebind. Subclass hooks stay out: this is memgather looking.
-    with subclass_hooks_off():
-        storage = tensor.untyped_storage()
+    storage = _storage_of(tensor)
     return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
 
 
@@ -171,20 +182,23 @@ with torch.inference_mode(False):
 _tensor_use_count = getattr(torch.Tensor, "_use_count", None)
 
 
-def _find_set_version() -> Optional[Callable[[torch.Tensor, int], None]]:
+def _find_set_versions() -> Optional[Callable[[Sequence[torch.Tensor], Sequence[int]], None]]:
     setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
     if setter is None:
         return None
     with torch.inference_mode(False):  # memgather may be imported first inside inference mode
         probe = torch.empty(0)
-    try:  # torch 2.2 on: sequences of tensors and versions
+    try:  # torch 2.2 on: sequences of tensors and versions, set in one call
         setter((probe,), (0,))
-        return lambda tensor, version: setter((tensor,), (version,))
-    except TypeError:  # torch 2.0 and 2.1: one tensor, one version
         return setter  # type: ignore[no-any-return]
+    except TypeError:  # torch 2.0 and 2.1: one tensor, one version
+        def one_by_one(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+            for tensor, version in zip(tensors, versions):
+                setter(tensor, version)
+        return one_by_one
 
 
-_set_versions = _find_set_version()
+_set_versions = _find_set_versions()
 
 
 def can_prove_alias_free() -> bool:
@@ -194,6 +208,8 @@ def can_prove_alias_free() -> bool:
 
 def held_only_by_python(tensor: torch.Tensor) -> bool:
     """No C++ handle to ``tensor`` beyond its Python object (only where can_prove_alias_free())."""
+    if type(tensor) is torch.Tensor:
+        return _tensor_use_count(tensor) == 1  # type: ignore[misc]
     with subclass_hooks_off():
         return _tensor_use_count(tensor) == 1  # type: ignore[misc]
 
@@ -201,11 +217,14 @@ def held_only_by_python(tensor: torch.Tensor) -> bool:
 _dispatch_stack_length = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
+_is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
 def functorch_wrapped(tensors: Iterable[Any]) -> bool:
     """Whether any of ``tensors`` is a functorch transform's wrapper (vmap's BatchedTensor,
     grad's tracking tensor): it has no storage of its own for memgather to lay out."""
-    check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
-    return check is not None and any(isinstance(t, torch.Tensor) and check(t) for t in tensors)
+    return _is_functorch_wrapped is not None and any(
+        [isinstance(t, torch.Tensor) and _is_functorch_wrapped(t) for t in tensors])
 
 
 def dispatch_mode_active() -> bool:
@@ -225,11 +244,11 @@ def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
     when the worker lets go; the bound is generous because on a loaded 2-core
     machine that took longer than half a second (elision was then refused).
     """
-    if _tensor_use_count is None or not tensors or tensors[0].device.type != "cpu":
+    if _tensor_use_count is None or not tensors or not tensors[0].is_cpu:
         return  # gloo's worker lets go within microseconds (up to tens of ms on a loaded machine);
         # what another backend's watchdog does with finished work is not known here: the proofs decide
     deadline = None
-    while any(_tensor_use_count(t) > 1 for t in tensors):
+    while any([_tensor_use_count(t) > 1 for t in tensors]):
         now = time.monotonic()
         deadline = deadline or now + timeout_s
         if now > deadline:
@@ -246,7 +265,13 @@ def set_version(tensor: torch.Tensor, version: int) -> None:
     """Put ``tensor``'s version counter back where torch would have left it (no-op where torch cannot,
     and for inference tensors, which have no version counter)."""
     if _set_versions is not None and not tensor.is_inference():
-        _set_versions(tensor, version)
+        _set_versions((tensor,), (version,))
+
+
+def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """``set_version`` for tensors that all have a version counter (none an inference tensor), at once."""
+    if _set_versions is not None:
+        _set_versions(tensors, versions)
 
 
 def default_private_memory(tensor: torch.Tensor) -> bool:
@@ -261,13 +286,19 @@ def default_private_memory(tensor: torch.Tensor) -> bool:
     CUDA memgather cannot tell a ``MemPool``'s or a pluggable allocator's block
     from the default pool's, so no CUDA memory qualifies.
     """
-    if tensor.device.type != "cpu":
+    if type(tensor) is not torch.Tensor:  # memgather's own slot kinds: their hooks stay out
+        with subclass_hooks_off():
+            return _default_private_memory(tensor)
+    return _default_private_memory(tensor)
+
+
+def _default_private_memory(tensor: torch.Tensor) -> bool:
+    if not tensor.is_cpu:
         return False
-    with subclass_hooks_off():
-        storage = tensor.untyped_storage()
-        # Not resizable: memory torch did not allocate (from_blob), or exported to numpy
-        # (``.numpy()``, ``np.asarray``), whose arrays would point at freed memory.
-        return storage.resizable() and not storage.is_shared() and not tensor.is_pinned()
+    storage = tensor.untyped_storage()
+    # Not resizable: memory torch did not allocate (from_blob), or exported to numpy
+    # (``.numpy()``, ``np.asarray``), whose arrays would point at freed memory.
+    return storage.resizable() and not storage.is_shared() and not tensor.is_pinned()
 
 
 def _find_increment_version() -> Callable[[torch.Tensor], None]:
@@ -291,6 +322,23 @@ def _increment_through_empty_view(tensor: torch.Tensor) -> None:
 # uses it to detect in-place changes of saved tensors); memgather writing into
 # a view of the same memory must bump it too.
 increment_version: Callable[[torch.Tensor], None] = _find_increment_version()
+
+
+def _find_increment_versions() -> Callable[[Sequence[torch.Tensor]], None]:
+    with torch.inference_mode(False):
+        probe = torch.empty(0)
+    try:  # torch 2.4 on: a sequence, each tensor bumped once (a counter two of them share, twice)
+        increment_version((probe,))  # type: ignore[arg-type]
+        return increment_version  # type: ignore[return-value]
+    except (TypeError, AttributeError):
+        def one_by_one(tensors: Sequence[torch.Tensor]) -> None:
+            for tensor in tensors:
+                increment_version(tensor)
+        return one_by_one
+
+
+# One call for all the slots of a gather: what torch's list call leaves, one bump per slot.
+increment_versions: Callable[[Sequence[torch.Tensor]], None] = _find_increment_versions()
 
 
 def rank_not_in_group(group: Any) -> bool:

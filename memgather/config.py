@@ -9,6 +9,7 @@
 | ``MEMGATHER_VERIFY`` | boolean | check every rewired call against the original all_gather (test runs) |
 | ``MEMGATHER_ELIDE`` | unset, boolean | cat elision: unset = audited targets only, 1 = every rewired call, 0 = never |
 | ``MEMGATHER_GLOO_MIN_BYTES`` | bytes per rank | gloo calls below this are left to torch (default 2 MiB; 0 rewires all) |
+| ``MEMGATHER_NCCL_MIN_BYTES`` | bytes per rank | legacy NCCL calls below this are left to torch (default 1 MiB; 0 rewires all) |
 | ``MEMGATHER_GLOO_ROUTE`` | ``auto``, ``broadcast``, ``ring`` | in-place route of large gloo calls (auto: the ring where the group spans hosts) |
 | ``MEMGATHER_HUGE_PAGES`` | boolean, default on | huge-page advice on large CPU buffers memgather fills |
 | ``MEMGATHER_LOG`` | a logging level name | log memgather's messages at that level to stderr |
@@ -39,6 +40,7 @@ class Settings:
     verify: bool = False
     elide: Optional[bool] = None
     gloo_min_bytes: Optional[int] = None
+    nccl_min_bytes: Optional[int] = None
     huge_pages: bool = True
     log_level: Optional[int] = None
     report: str = "off"
@@ -68,6 +70,7 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
         verify=parse_bool("MEMGATHER_VERIFY", env.get("MEMGATHER_VERIFY", "")),
         elide=_optional_bool("MEMGATHER_ELIDE", env.get("MEMGATHER_ELIDE", "")),
         gloo_min_bytes=_optional_size("MEMGATHER_GLOO_MIN_BYTES", env.get("MEMGATHER_GLOO_MIN_BYTES", "")),
+        nccl_min_bytes=_optional_size("MEMGATHER_NCCL_MIN_BYTES", env.get("MEMGATHER_NCCL_MIN_BYTES", "")),
         huge_pages=parse_bool("MEMGATHER_HUGE_PAGES", env.get("MEMGATHER_HUGE_PAGES", "1")),
         log_level=_parse_level(env.get("MEMGATHER_LOG", "")),
         report=_parse_report(env.get("MEMGATHER_REPORT", "")),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ PROFILER_RANGE = "memgather::all_gather"
 
 _settings = config.Settings()
 _gloo_min_bytes = routes.gloo_threshold(None)
+_nccl_min_bytes = routes.nccl_threshold(None)
 
 
 def configure(settings: Optional[config.Settings] = None) -> None:
@@ -40,9 +41,10 @@ def configure(settings: Optional[config.Settings] = None) -> None:
     what ``patch()`` was given reaches direct calls too; the per-call path
     itself reads no environment variable.
     """
-    global _settings, _gloo_min_bytes
+    global _settings, _gloo_min_bytes, _nccl_min_bytes
     _settings = config.load() if settings is None else settings
     _gloo_min_bytes = routes.gloo_threshold(_settings.gloo_min_bytes)
+    _nccl_min_bytes = routes.nccl_threshold(_settings.nccl_min_bytes)
 
 
 configure()
@@ -133,7 +135,7 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
         raise ValueError("memgather.gather: this rank is not a member of the given process group")
     world = dist.get_world_size(group)
     out = torch.empty(slots.flat_shape(tensor.shape, world), dtype=tensor.dtype, device=tensor.device)
-    if not (_settings.check if check is None else check) and _small_gloo_single(out, tensor, group):
+    if not (_settings.check if check is None else check) and _small_single(out, tensor, group):
         # Below the threshold torch's single-tensor call is the cheapest way, and there
         # are no caller's slots to honour: the same call the hand-fixed code makes.
         counters.record(DIRECT.strategy.value, route=routes.SINGLE_STAGED.name)
@@ -144,12 +146,16 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
     return out
 
 
-def _small_gloo_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> bool:
-    """A small gather() on a gloo group whose torch has the single-tensor call (the group is usable:
-    gather() checked)."""
-    return (_below_gloo_threshold(groups.describe(group), tensor, out.numel() * out.element_size())
-            and compat.gloo_has_single_tensor() and compat.single_tensor_primitive().function is not None
-            and not compat.is_compiling())
+def _small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> bool:
+    """A small gather() on a gloo or legacy NCCL group whose torch has the single-tensor call (the
+    group is usable: gather() checked)."""
+    info = groups.describe(group)
+    if (not _below_threshold(info, tensor, out.numel() * out.element_size())
+            or compat.single_tensor_primitive().function is None or compat.is_compiling()):
+        return False
+    if info.backend == "gloo":
+        return compat.gloo_has_single_tensor()
+    return tensor.is_contiguous()  # NCCL reads the input as raw memory: torch's list call takes any
 
 
 def _torchs_at_once(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
@@ -157,19 +163,21 @@ def _torchs_at_once(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reaso
 
     Small gloo calls are the most frequent kind and the ones where memgather's
     own time shows: each microsecond of Python costs about two on the wall
-    clock of a 4 KiB gather. Calls on ProcessGroupNCCL2, which fills the slots
-    itself, are never rewired. So both are recognised before anything else. A
-    call this cannot settle at once (a group not seen before, a subclass, a
-    malformed list, another backend) takes the full path. Whatever the full
-    path would have decided, such a call ends with the original all_gather.
+    clock of a 4 KiB gather; on NCCL, small calls save next to nothing (see
+    routes, "NCCL threshold"). Calls on ProcessGroupNCCL2, which fills the
+    slots itself, are never rewired. So all of them are recognised before
+    anything else. A call this cannot settle at once (a group not seen before,
+    a subclass, a malformed list, another backend) takes the full path.
+    Whatever the full path would have decided, such a call ends with the
+    original all_gather.
     """
     info = groups.known(group)
-    if info is None:
+    if info is None or type(tensor) is not torch.Tensor:
         return None
-    if type(tensor) is torch.Tensor and _on_nccl2(info, tensor):
+    if _on_nccl2(info, tensor):
         return Reason.NCCL2
     gathered = _gathered_bytes(tensor_list, info.world)
-    if gathered is not None and _below_gloo_threshold(info, tensor, gathered):
+    if gathered is not None and _below_threshold(info, tensor, gathered):
         return Reason.BELOW_THRESHOLD
     return None
 
@@ -179,10 +187,16 @@ def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
     return info.nccl == "nccl2" and tensor.is_cuda
 
 
-def _below_gloo_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
-    """A plain CPU tensor on a gloo group, gathering less than the threshold (see routes.PASSTHROUGH)."""
-    return (info.backend == "gloo" and type(tensor) is torch.Tensor and tensor.is_cpu
-            and gathered < info.world * _gloo_min_bytes)
+def _below_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
+    """A plain tensor gathering less than its backend's threshold (see routes.PASSTHROUGH): a CPU one
+    on a gloo group, a CUDA one on a legacy NCCL group, any on torch's fake backend (timed as NCCL)."""
+    if type(tensor) is not torch.Tensor:
+        return False
+    if info.backend == "gloo":
+        return tensor.is_cpu and gathered < info.world * _gloo_min_bytes
+    if (info.nccl == "legacy" and tensor.is_cuda) or info.backend == "fake":
+        return gathered < info.world * _nccl_min_bytes
+    return False
 
 
 def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
@@ -218,7 +232,7 @@ def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
     device = tensor.device
     backend = routes.backend_for_device(info.backend, device)
     return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor(),
-                         info.nccl)
+                         info.nccl, _nccl_min_bytes)
 
 
 def _plan(
@@ -278,13 +292,48 @@ def _route_code(route: Optional[routes.Route]) -> int:
     return config.GLOO_ROUTES.index(_settings.gloo_route) + 1
 
 
-def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:
-    counters.record("fallback", reason=reason.value if reason else None)
-    if type(tensor_list) is list:
-        elision.settle(tensor_list)  # torch writes in place: never into a result handed out
+# torch.distributed.all_gather's parameters, in order.
+_PARAMETERS = ("tensor_list", "tensor", "group", "async_op")
+
+
+def at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool) -> Optional[Reason]:
+    """Why a call, as its caller wrote it, certainly goes to torch; None where it takes ``all_gather``.
+
+    For the wrapper: arguments torch's signature does not take get torch's own
+    TypeError (``all_gather`` has keywords of its own, and would word it
+    otherwise); without ``check``, ``_torchs_at_once`` is asked too, so that a
+    call going to torch anyway does not pay for building ``all_gather``'s keywords.
+    """
+    count = len(args)
+    if count > 4 or count + len(kwargs) < 2 or (kwargs and not _binds(count, kwargs)):
+        return Reason.BAD_ARGUMENTS
+    if check:
+        return None
+    return _torchs_at_once(args[0] if count else kwargs.get("tensor_list"),
+                           args[1] if count > 1 else kwargs.get("tensor"),
+                           args[2] if count > 2 else kwargs.get("group"))
+
+
+def _binds(count: int, kwargs: Dict[str, Any]) -> bool:
+    """Keywords that name parameters not already given by position, the two required ones given."""
+    return (all(name in _PARAMETERS[count:] for name in kwargs)
+            and all(name in kwargs for name in _PARAMETERS[count:2]))
+
+
+def to_torch(reason: Optional[Reason], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """Count a fallback and make the call, as its caller wrote it, with the original all_gather."""
+    why = reason._value_ if reason else None  # what .value reads, without its descriptor's cost
+    counters.record_fallback(why)
+    if elision.may_need_settling():
+        # torch writes in place: never into a result handed out
+        elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("all_gather falls back to torch: %s", reason.value if reason else "unknown")
-    return _original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        _log.debug("all_gather falls back to torch: %s", why or "unknown")
+    return _original_all_gather(*args, **kwargs)
+
+
+def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:
+    return to_torch(reason, (tensor_list, tensor), {"group": group, "async_op": async_op})
 
 
 def _rewire(
@@ -303,44 +352,49 @@ def _rewire(
     counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
     before = slots.versions(tensor_list)
     # Under torch the slots never carry autograd history: memgather's own copies must not add any.
-    with torch.no_grad():
-        work, written = _write(chosen, route, tensor_list, tensor, group, async_op, elide)
+    # (Set directly: torch.no_grad() as a context costs more than the rest of a small call's Python.)
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        work, flat = _write(chosen, route, tensor_list, tensor, group, async_op, elide)
+    finally:
+        torch._C._set_grad_enabled(grad)
     slots.mark_written(tensor_list, before)
-    return _verified(work, written, tensor, group, chosen, verify)
+    if verify:
+        # Plain views of the buffer: the slots themselves may be armed for elision by the time they are read.
+        written = tensor_list if flat is None else slots.views(flat, len(tensor_list), tensor.shape)
+        _verify(work, written, tensor, group, chosen)
+    return work
 
 
 def _write(
     chosen: Plan, route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any,
     async_op: bool, elide: bool,
-) -> Tuple[Any, List[torch.Tensor]]:
-    """Move the bytes; returns torch's work object (or None) and the tensors that now hold the result."""
+) -> Tuple[Any, Optional[torch.Tensor]]:
+    """Move the bytes; returns torch's work object (or None), and the buffer that now holds the result
+    (None: the slots themselves hold it)."""
     if chosen is DIRECT and elide and slots.tile_their_storage(tensor_list):
         # Slots that alone tile one buffer (those of an earlier rebind, gathered into again)
         # are that buffer's views already: armed like a rebind's, with no new buffer.
         region = slots.region(tensor_list)
         elision.arm(tensor_list, region)
-        work = routes.run(route, region, tensor, group, async_op)
-        return work, slots.views(region, len(tensor_list), tensor.shape)
+        return routes.run(route, region, tensor, group, async_op), region
     if route.in_place and chosen is not REBIND:
         # Direct slots already are the views an in-place route fills, and in_slots ones are
         # filled where they lie: either way the slots themselves are the destinations.
         routes.fill(route, tensor_list, tensor, group)  # synchronous, as torch's with async_op=False
-        return None, tensor_list
+        return None, None
     if chosen is DIRECT:
-        return routes.run(route, slots.region(tensor_list), tensor, group, async_op), tensor_list
+        return routes.run(route, slots.region(tensor_list), tensor, group, async_op), None
     elision.release(tensor_list)  # slots sharing a handed-out result are rebound: no write reaches it
     flat = slots.rebind(tensor_list)
     if elide:
         elision.arm(tensor_list, flat)
-    work = routes.run(route, flat, tensor, group, async_op)
-    # Plain views of the buffer: the slots themselves may be armed for elision by the time they are read.
-    return work, slots.views(flat, len(tensor_list), tensor.shape)
+    return routes.run(route, flat, tensor, group, async_op), flat
 
 
-def _verified(work: Any, gathered: List[torch.Tensor], tensor: torch.Tensor, group: Any, chosen: Plan, verify: bool) -> Any:
-    if verify:
-        if work is not None:
-            work.wait()  # verify mode completes async calls before they return
-        verification.verify(_original_all_gather, gathered, tensor, group, chosen.strategy.value)
-        counters.record_verified()
-    return work
+def _verify(work: Any, gathered: List[torch.Tensor], tensor: torch.Tensor, group: Any, chosen: Plan) -> None:
+    if work is not None:
+        work.wait()  # verify mode completes async calls before they return
+    verification.verify(_original_all_gather, gathered, tensor, group, chosen.strategy.value)
+    counters.record_verified()

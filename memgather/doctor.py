@@ -34,8 +34,9 @@ def report() -> "tuple[List[str], bool]":
         settings, invalid = None, error
     lines.append("backends:")
     gloo_min_bytes = settings.gloo_min_bytes if settings is not None else None
+    nccl_min_bytes = settings.nccl_min_bytes if settings is not None else None
     lines.extend(f"  {name:<5} {'available' if _available(dist, name) else 'not available'}: {plan}"
-                 for name, plan in backend_plans(primitive.name, gloo_min_bytes).items())
+                 for name, plan in backend_plans(primitive.name, gloo_min_bytes, nccl_min_bytes).items())
     lines.append("targets:")
     for target in targets.BUILTIN:
         verdict = targets.gate(target)
@@ -51,7 +52,8 @@ def report() -> "tuple[List[str], bool]":
     return lines, usable
 
 
-def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None) -> Dict[str, str]:
+def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None,
+                  nccl_min_bytes: Optional[int] = None) -> Dict[str, str]:
     """What memgather does with a call on each backend, on this torch (see routes.choose)."""
     from memgather import compat, routes
 
@@ -65,24 +67,25 @@ def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None
         gloo_async = f"async ones stay with torch (gloo has no single-tensor all-gather before torch {since})"
     return {
         "gloo": f"sync calls from {threshold} per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into the slots (a group whose ranks run on more than one host: a ring of point-to-point transfers; MEMGATHER_GLOO_ROUTE); {gloo_async}",
-        "nccl": nccl_plan(primitive),
+        "nccl": nccl_plan(primitive, nccl_min_bytes),
         "mpi": "every call stays with torch",
         "ucc": "every call stays with torch",
     }
 
 
-def nccl_plan(primitive: str) -> str:
+def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
     """What memgather does on each NCCL flavour, and which one "nccl" is here (see compat.nccl_flavour)."""
     import torch
 
-    from memgather import compat
+    from memgather import compat, routes
 
     setting = os.environ.get("TORCH_DIST_USE_NCCL2")
+    threshold = _size(routes.nccl_threshold(nccl_min_bytes))
     default = compat.default_nccl_flavour(torch.__version__, setting)
     shown = "unset" if setting is None else repr(setting)
     return (f'"nccl" is the {default} group here (torch {torch.__version__}, TORCH_DIST_USE_NCCL2 {shown}). '
-            f"legacy ProcessGroupNCCL: slots that already are views of one buffer (DeepSpeed ZeRO's) take "
-            f"{primitive} straight into it, saving the gathered-size temporary its list call allocates; fresh "
+            f"legacy ProcessGroupNCCL: calls under {threshold} per rank stay with torch (MEMGATHER_NCCL_MIN_BYTES); "
+            f"from it, slots that already are views of one buffer (DeepSpeed ZeRO's) take {primitive} straight into it, saving the gathered-size temporary its list call allocates; fresh "
             f"slots stay with torch (CUDA memory is never rebound). ProcessGroupNCCL2: every call stays with "
             f"torch (it fills the slots itself: nothing to save)")
 

@@ -119,10 +119,21 @@ def arm(slots: List[torch.Tensor], flat: torch.Tensor) -> None:
     gather into slots that alone tile ``flat``'s whole storage."""
     if not compat.can_prove_alias_free():
         return  # this torch cannot show that nothing else holds the buffer: cat copies
+    global _armed_ever
+    _armed_ever = True
     group = _Group(flat, slots)
     for slot in slots:
         slot.__dict__[_GROUP] = group
         slot.__class__ = ElidableSlot
+
+
+# Whether any slot was ever armed in this process: until then no slot can need settling.
+_armed_ever = False
+
+
+def may_need_settling() -> bool:
+    """Whether some slot could be armed or given (cheap: the fallback path asks it on every call)."""
+    return _armed_ever or bool(_given)
 
 
 def watching() -> bool:

@@ -48,7 +48,7 @@ def advise(tensor: Any) -> None:
     if madvise is None:
         return
     size = tensor.numel() * tensor.element_size()
-    if size < MIN_BYTES or tensor.device.type != "cpu":
+    if size < MIN_BYTES or not tensor.is_cpu:
         return
     start = tensor.data_ptr()
     first = (start + _PAGE - 1) & ~(_PAGE - 1)

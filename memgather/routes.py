@@ -30,6 +30,15 @@ calls to torch: gloo stages the single call through a temporary just as it
 does the list call, so rewiring would save nothing and only add its own
 microseconds (``MEMGATHER_GLOO_MIN_BYTES`` moves the threshold; 0 rewires
 every gloo call).
+
+NCCL threshold. On the legacy NCCL group the single call saves the list
+call's gathered-size temporary, nothing else; below 1 MiB per rank that is a
+few MiB at most, which the caching allocator serves from blocks it keeps
+anyway, while memgather's own Python (tens of microseconds, ``memgather bench
+--overhead``) would compare with the time of the gather itself. Such calls go
+to torch at once (``MEMGATHER_NCCL_MIN_BYTES`` moves the threshold; 0 rewires
+every call). Both kinds of call run the same ncclAllGather, so ranks that set
+it differently still meet.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import torch.distributed as dist
 from memgather import compat, groups, pages, slots
 
 BROADCAST_MIN_BYTES_PER_RANK = 2 << 20
+NCCL_MIN_BYTES_PER_RANK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,8 +83,8 @@ RING_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int8
 # The ring's transfers carry a tag of their own, so that a user's own isend / irecv in
 # flight on the same group (tag 0 by default) is never matched with memgather's.
 RING_TAG = 0x4D47
-# Below the gloo threshold: gloo stages every all-gather through a temporary,
-# so there is nothing to save, and memgather's own work would only add time.
+# Below a threshold (gloo's, legacy NCCL's): nothing or next to nothing to save,
+# and memgather's own work would only add time.
 PASSTHROUGH = Route("torch", saves_temp=False, needs_agreement=False)
 
 
@@ -95,6 +105,11 @@ def gloo_threshold(setting: Optional[int]) -> int:
     return BROADCAST_MIN_BYTES_PER_RANK if setting is None else setting
 
 
+def nccl_threshold(setting: Optional[int]) -> int:
+    """Bytes per rank from which legacy NCCL calls are rewired: the setting, else the default."""
+    return NCCL_MIN_BYTES_PER_RANK if setting is None else setting
+
+
 def choose(
     backend: str,
     device: torch.device,
@@ -104,6 +119,7 @@ def choose(
     gloo_min_bytes: Optional[int] = None,
     gloo_single: bool = True,
     nccl_flavour: Optional[str] = None,
+    nccl_min_bytes: Optional[int] = None,
 ) -> Optional[Route]:
     """The route for this call, or None where no route is known to be safe.
 
@@ -114,7 +130,9 @@ def choose(
     ``gloo_single`` says whether this torch's gloo has the single-tensor
     all-gather (``compat.gloo_has_single_tensor``). Large synchronous gloo calls
     get ``BROADCAST``, which ``settle`` may turn into the ring once the ranks agreed.
-    ``nccl_flavour`` is the group's NCCL backend (``compat.nccl_flavour``).
+    ``nccl_flavour`` is the group's NCCL backend (``compat.nccl_flavour``);
+    ``nccl_min_bytes`` (per rank; default ``NCCL_MIN_BYTES_PER_RANK``) is where
+    its calls start to be rewired.
     """
     if backend == "gloo" and device.type == "cpu":
         if gathered_bytes < world * gloo_threshold(gloo_min_bytes):
@@ -128,9 +146,11 @@ def choose(
         # Only the legacy group's list call runs the single call's collective (ncclAllGather
         # into a temporary): a rank that fell back still meets one that took the single call,
         # and the temporary is saved. ProcessGroupNCCL2 fills the slots itself, with broadcasts.
-        return SINGLE_IN_PLACE if nccl_flavour == "legacy" else None
-    if backend == "fake":  # torch's no-op test backend: used to time memgather itself
-        return SINGLE_STAGED
+        if nccl_flavour != "legacy":
+            return None
+        return PASSTHROUGH if gathered_bytes < world * nccl_threshold(nccl_min_bytes) else SINGLE_IN_PLACE
+    if backend == "fake":  # torch's no-op test backend, used to time memgather itself: as legacy NCCL
+        return PASSTHROUGH if gathered_bytes < world * nccl_threshold(nccl_min_bytes) else SINGLE_STAGED
     return None
 
 

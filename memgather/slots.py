@@ -41,9 +41,8 @@ def region(slots: List[torch.Tensor]) -> torch.Tensor:
 
 def tensor_over(holder: torch.Tensor, offset: int, shape: Tuple[int, ...]) -> torch.Tensor:
     """A contiguous tensor of its own (not a view: its own version counter) over ``holder``'s storage."""
-    tensor = holder.new_empty(0)
-    with torch.no_grad():
-        tensor.set_(holder.untyped_storage(), offset, shape, _contiguous_strides(shape))  # type: ignore[call-overload]
+    tensor = holder.new()  # empty, of holder's dtype and device; never requires grad, so set_ records nothing
+    tensor.set_(holder.untyped_storage(), offset, shape, _contiguous_strides(shape))  # type: ignore[call-overload]
     return tensor
 
 
@@ -103,13 +102,12 @@ def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
     ``set_`` and copies bump the counters too; those are not writes torch would
     make, so the counters are first set back to ``before`` where torch allows it.
     """
+    if -1 in before:  # inference tensors among them: they have no counter to set or bump
+        counted = [(slot, version) for slot, version in zip(slots, before) if version >= 0]
+        slots, before = [slot for slot, _ in counted], [version for _, version in counted]
     if compat.can_set_version():
-        for slot, version in zip(slots, before):
-            if version >= 0:
-                compat.set_version(slot, version)
-    for slot, version in zip(slots, before):
-        if version >= 0:
-            compat.increment_version(slot)
+        compat.set_versions(slots, before)
+    compat.increment_versions(slots)
 
 
 def _reallocate(slots: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:

@@ -368,6 +368,8 @@ def _cannot_prove_exclusive(pools: Any) -> Counter:
     return Counter(_run_script(
         """
         del torch._C._storage_Use_Count
+        import os
+        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"  # the fake backend is timed as legacy NCCL: its threshold
         import memgather
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -436,6 +438,44 @@ def _nccl2(pools: Any) -> Counter:
     return counted
 
 
+_BAD_ARGUMENTS = """
+import json, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+import memgather
+exec(compile('import torch.distributed as dist\\n'
+             'def surplus(s, t): dist.all_gather(s, t, None, False, "surplus")\\n'
+             'def unknown(s, t): dist.all_gather(s, t, check=True)\\n'
+             'def twice(s, t): dist.all_gather(s, t, tensor=t)\\n'
+             'def missing(s, t): dist.all_gather(s)\\n', '<user>', 'exec'), user := {"__name__": "user_code"})
+def errors():
+    seen = []
+    for name in ("surplus", "unknown", "twice", "missing"):
+        try:
+            user[name]([torch.empty(4), torch.empty(4)], torch.ones(4))
+        except TypeError as error:
+            seen.append(str(error))
+    return seen
+torchs = errors()
+memgather.patch(["user_code"], check=CHECK)
+print(json.dumps([torchs, errors(), dict(memgather.stats().fallbacks)]))
+"""
+
+
+def _bad_arguments(pools: Any) -> Counter:
+    """Arguments torch's all_gather does not take, from a target (check off and on): torch's own
+    TypeError, word for word."""
+    counted: Counter = Counter()
+    for check in (False, True):
+        done = subprocess.run([sys.executable, "-c", _BAD_ARGUMENTS.replace("CHECK", str(check))],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        torchs, memgathers, fallbacks = json.loads(done.stdout)
+        assert len(torchs) == 4 and memgathers == torchs
+        counted.update(fallbacks)
+    return counted
+
+
 def _graph_capture(pools: Any) -> Counter:
     """A gather captured into a CUDA graph: left to torch, whose call capture records. Replayed,
     the graph must leave the slots as torch's captured call does."""
@@ -494,6 +534,7 @@ REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.TORCH_FUNCTION: partial(_bad_input, "input_torch_function"),
     Reason.DISPATCH_MODE: _dispatch_mode,
     Reason.FUNCTORCH: _functorch,
+    Reason.BAD_ARGUMENTS: _bad_arguments,
     Reason.NOT_A_LIST: partial(_bad_input, "not_a_list"),
     Reason.WRONG_LENGTH: partial(_bad_input, "wrong_length"),
     Reason.NOT_A_TENSOR: partial(_bad_input, "input_not_a_tensor"),

@@ -24,7 +24,8 @@ MIB = 1 << 20
         ("gloo", CPU, 64 * MIB, True, routes.SINGLE_STAGED),
         ("gloo", CUDA, 64 * MIB, False, None),
         ("nccl", CPU, 4 << 10, False, None),
-        ("fake", CPU, 4 << 10, False, routes.SINGLE_STAGED),
+        ("fake", CPU, 4 << 10, False, routes.PASSTHROUGH),  # timed as legacy NCCL: its threshold
+        ("fake", CPU, MIB, False, routes.SINGLE_STAGED),
         ("mpi", CPU, 4 << 10, False, None),
         ("", CPU, 4 << 10, False, None),
     ],
@@ -44,9 +45,20 @@ def test_choose(backend: str, device: torch.device, per_rank: int, async_op: boo
     ],
 )
 def test_nccl_by_flavour(backend: str, flavour: Any, expected: object) -> None:
-    for per_rank in (4 << 10, 64 * MIB):
+    for per_rank in (MIB, 64 * MIB):
         assert routes.choose(backend, CUDA, per_rank * 3, 3, False, nccl_flavour=flavour) is expected
+        assert routes.choose(backend, CUDA, per_rank * 3, 3, True, nccl_flavour=flavour) is expected
     assert routes.choose(backend, CPU, 64 * MIB, 3, False, nccl_flavour=flavour) is None
+
+
+def test_small_legacy_nccl_calls_stay_with_torch_and_the_threshold_is_adjustable() -> None:
+    assert routes.choose("nccl", CUDA, 3 * MIB - 1, 3, False, nccl_flavour="legacy") is routes.PASSTHROUGH
+    assert routes.choose("nccl", CUDA, 3 * MIB, 3, False, nccl_flavour="legacy") is routes.SINGLE_IN_PLACE
+    assert routes.choose("nccl", CUDA, 8, 2, False, nccl_flavour="legacy", nccl_min_bytes=0) is routes.SINGLE_IN_PLACE
+    assert routes.choose("nccl", CUDA, 4 * MIB, 2, False, nccl_flavour="legacy",
+                         nccl_min_bytes=4 * MIB) is routes.PASSTHROUGH
+    # ProcessGroupNCCL2 never takes a route, whatever the size or threshold
+    assert routes.choose("nccl", CUDA, 8, 2, False, nccl_flavour="nccl2", nccl_min_bytes=0) is None
 
 
 def test_nccl_flavour_is_told_by_the_groups_cuda_backend_class() -> None:

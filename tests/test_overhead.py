@@ -1,0 +1,100 @@
+"""The small-call fast path and ``memgather bench --overhead``, on torch's no-op fake backend.
+
+The fake backend is timed as legacy NCCL (routes.choose): a call under the NCCL
+threshold goes to torch from the wrapper, without ``core.all_gather``; from the
+threshold on it is rewired. Each case runs in a process of its own, since the
+fake group is this process's default group.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from typing import Dict
+
+import pytest
+
+_PRELUDE = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+import memgather
+from memgather import core
+exec(compile('import torch, torch.distributed as dist\\n'
+             'def call(per_rank):\\n'
+             '    t = torch.ones(per_rank // 4)\\n'
+             '    slots = [torch.empty_like(t), torch.empty_like(t)]\\n'
+             '    dist.all_gather(slots, t)\\n'
+             '    return slots\\n', '<user>', 'exec'), user := {'__name__': 'user_code'})
+"""
+
+
+def _run(body: str, env: Dict[str, str]) -> str:
+    import os
+
+    done = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(body)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_small_call_from_a_target_reaches_torch_from_the_wrapper() -> None:
+    out = _run("""
+        memgather.patch(["user_code"])
+        user["call"](64 << 10)  # a group not seen before: the full path, which describes it
+        def refuse(*args, **kwargs):
+            raise AssertionError("core.all_gather reached")
+        full_path, core.all_gather = core.all_gather, refuse
+        user["call"](64 << 10)  # 64 KiB per rank: under the 1 MiB threshold
+        core.all_gather = full_path
+        user["call"](1 << 20)  # at the threshold: rewired
+        print(dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
+    """, {})
+    assert out.strip() == "{'fallback': 2, 'rebind': 1} {'below_threshold': 2}"
+
+
+@pytest.mark.parametrize("setting,expected", [("0", "{'rebind': 1} {}"), (str(2 << 20), "{'fallback': 1} "
+                                                                             "{'below_threshold': 1}")])
+def test_the_nccl_threshold_setting_moves_it(setting: str, expected: str) -> None:
+    out = _run("""
+        memgather.patch(["user_code"])
+        user["call"](1 << 20)
+        print(dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
+    """, {"MEMGATHER_NCCL_MIN_BYTES": setting})
+    assert out.strip() == expected
+
+
+def test_a_call_with_check_on_takes_the_full_path() -> None:
+    out = _run("""
+        memgather.patch(["user_code"], check=True)
+        reached = []
+        full_path = core.all_gather
+        core.all_gather = lambda *args, **kwargs: reached.append(1) or full_path(*args, **kwargs)
+        user["call"](64 << 10)
+        print(len(reached))
+    """, {})
+    assert out.strip() == "1"
+
+
+def test_small_gather_takes_the_single_call() -> None:
+    out = _run("""
+        out = memgather.gather(torch.ones(8))
+        print(tuple(out.shape), dict(memgather.stats().by_route))
+    """, {})
+    assert out.strip() == "(16,) {'single': 1}"
+
+
+def test_bench_overhead_times_each_variant_as_named() -> None:
+    out = _run("""
+        from memgather import overhead
+        results = overhead.measure(calls=50, rounds=1)  # raises where a variant was or was not rewired against its name
+        print(sorted(results))
+        print(overhead.table(results).splitlines()[0])
+    """, {})
+    names, header = out.strip().splitlines()
+    assert names == str(sorted([
+        "torch", "bare wrapper", "non-target", "below threshold", "rewired (rebind)", "torch's calls of a rebind",
+        "direct slots: torch", "direct slots: rewired", "direct slots: single call alone", "Function: torch",
+        "Function: non-target", "Function: rewired"]))
+    assert header.split() == ["variant", "us/call", "added", "vs", "torch"]
