@@ -116,7 +116,7 @@ def with_input(prepare: Callable[[torch.Tensor], Any]) -> Callable[[Callable[...
 
 
 def memory_paths(library: str) -> Dict[str, Callable[..., Pieces]]:
-    """LIBRARY's call paths for ``memory``, by the name the README gives each, its default first.
+    """LIBRARY's call paths for ``memory``, by the name docs/libraries.md gives each, its default first.
 
     Each gathers its argument (this rank's tensor) through the library's own code, unedited,
     and returns the pieces of the gathered result that the library hands this rank, by

@@ -1,6 +1,6 @@
 """Peak RSS growth of one gather through each of a library's call paths, unpatched vs MEMGATHER=1.
 
-The README's figures. Run with an environment that has the library, e.g. a tox one:
+The figures of docs/libraries.md. Run with an environment that has the library, e.g. a tox one:
 ``.tox/accelerate-0.23/bin/python -m integration.measure_memory accelerate 196 [--record accelerate-0.23]``
 
 LIBRARY is job.py's name for it (``pytorch_metric_learning``, ``open_clip``, ...). Every

@@ -16,7 +16,7 @@ def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
 
 
 def test_peak_memory_of_a_gather(tmp_path: Path) -> None:
-    """24 MiB per rank here; the README's 196 MiB figure comes from integration/measure_memory.py."""
+    """24 MiB per rank here; docs/libraries.md's 196 MiB figure comes from integration/measure_memory.py."""
     for theirs, mine in memory_growth("accelerate", tmp_path, 24):
         ratio = mine["growth"] / theirs["growth"]
         print(f"accelerate {metadata.version('accelerate')}: peak growth {theirs['growth'] >> 20} MiB -> "

@@ -98,7 +98,7 @@ def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
 
 
 def test_peak_memory_of_a_gather(tmp_path: Path) -> None:
-    """Fabric.all_gather of 24 MiB per rank; the README's 196 MiB figure comes from integration/measure_memory.py.
+    """Fabric.all_gather of 24 MiB per rank; docs/libraries.md's 196 MiB figure comes from integration/measure_memory.py.
 
     torch's peak is twice the gathered size (the Function's slots, then torch.stack's copy);
     with memgather the stack returns the buffer the gather filled.

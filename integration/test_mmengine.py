@@ -47,7 +47,7 @@ def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
 
 
 def test_peak_memory_of_a_gather(tmp_path: Path) -> None:
-    """24 MiB per rank through mmengine.dist.all_gather; the README's 196 MiB figure comes
+    """24 MiB per rank through mmengine.dist.all_gather; docs/libraries.md's 196 MiB figure comes
     from integration/measure_memory.py. Unpatched, gloo's list all_gather stages the whole
     gather in a temporary and copies it out (about 2 x gathered); filled in place, the
     slots are all that grows (1.04 x gathered at 24 MiB: ratio 0.522 measured)."""

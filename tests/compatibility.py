@@ -1,4 +1,4 @@
-"""The installed torch's row of the README's compatibility table.
+"""The installed torch's row of the compatibility table (docs/torch-releases.md).
 
     python -m tests.compatibility [MIB]
 

@@ -11,7 +11,7 @@ starts is killed when the bounded wait ends.
 prints, per caller pattern, torch's and memgather's time and peak growth on
 such hosts (rate: the tbf rate of every link; latency is not simulated).
 ``python -m tests.multihost --matrix`` measures world 2, 4 and 8 on one host and
-across hosts, 4 and 64 MiB per rank, over every link profile: the README's table.
+across hosts, 4 and 64 MiB per rank, over every link profile: the table in docs/multi-node.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The commands behind the README's figures, each run for real at tiny settings:
+"""The commands behind the figures of the README and docs/, each run for real at tiny settings:
 ``memgather bench --routes``, ``--startup``, ``--first-touch`` and the patterns' transport
 floor. Only the shape of what they print is checked (a well-formed table of positive
 numbers), never a timing."""

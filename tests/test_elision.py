@@ -109,7 +109,7 @@ def _settled_growth(before: int, bound: int) -> int:
 
 
 def test_a_kept_slot_holds_the_whole_buffer_until_first_used(pools: Any) -> None:
-    """16 MiB per rank: the documented cost of forced elision (README "Cat elision"), and where it ends."""
+    """16 MiB per rank: the documented cost of forced elision (docs/elision.md), and where it ends."""
     for result in unwrap(pools(2, **EAGER).run(kept_slot_after_result_dies, 4 << 20)):
         assert result["elided"] and result["value"], result
         assert result["pinned"] >= 1.8 * result["slot"], result

@@ -78,7 +78,7 @@ if not compat.can_prove_exclusive():
 
 # Where torch has no storage use count, no rebind is ever tried: the questions a rebind
 # asks (is the storage shared? is its memory the allocator's?) are never reached.
-NO_REBIND = ("torch {} has no storage use count (README, 'Torch releases'): no rebind is tried, "
+NO_REBIND = ("torch {} has no storage use count (docs/torch-releases.md): no rebind is tried, "
              "so memgather never asks this").format(torch.__version__)
 
 
@@ -357,8 +357,8 @@ def _no_primitive(pools: Any) -> Counter:
 def _cannot_prove_exclusive(pools: Any) -> Counter:
     """Fresh slots that would need a rebind, on a torch without the storage use count.
 
-    torch 1.13.1 and 2.0.1 have no torch._C._storage_Use_Count (README, "Torch
-    releases"): there overlapping slots reach it on real gloo ranks. Where torch has
+    torch 1.13.1 and 2.0.1 have no torch._C._storage_Use_Count (docs/torch-releases.md):
+    there overlapping slots reach it on real gloo ranks. Where torch has
     it, removing it reaches the same path; the "fake" backend gives a group of 2 in
     one process, so fresh slots need a rebind (its route has no fill in place).
     """

@@ -61,7 +61,7 @@ def test_survivor_raises_in_time_with_valid_slots(scenario: str, numel: int, asy
 @pytest.mark.parametrize("kind", ["first-dim", "trailing-dim", "dtype"])
 def test_uneven_ranks_without_check_end_as_torch_ends(kind: str) -> None:
     """Check off, memgather gives torch's outcome: gloo aborts on a size mismatch, and passes
-    same-sized bytes of another dtype through. (The README tabulates it.)"""
+    same-sized bytes of another dtype through. (docs/calls.md tabulates it.)"""
     ours, torchs = pair_outcomes("memgather", kind), pair_outcomes("torch", kind)
     if kind == "dtype":
         assert ours == torchs

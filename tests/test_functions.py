@@ -122,7 +122,7 @@ def direct_then_applied(ctx: Any) -> List[int]:
 
 def test_a_forward_called_directly_does_not_fix_the_decision_for_its_code(pools: Any) -> None:
     # Where Function.apply is C (torch 2.14+) nothing tells this forward from a plain function,
-    # so its own module (not a target) is the caller: the documented limit (README).
+    # so its own module (not a target) is the caller: the documented limit (docs/targets.md).
     applied = 1 if isinstance(inspect.getattr_static(torch.autograd.Function, "apply"), classmethod) else 0
     for counts in unwrap(pools(2, **EAGER).run(direct_then_applied)):
         assert counts == [0, applied, 0], counts

@@ -3,7 +3,7 @@
 2 hosts x 2 ranks (world 4) joined by a bridge, c10d rendezvous, gloo bound to each
 host's own link; every caller pattern of ``memgather bench`` under torch alone and
 with MEMGATHER=1 through memgather's .pth (cat elision on, as ``memgather bench`` has it). The longer matrix (link rates, more
-ranks, time) is ``python -m tests.multihost`` (README "Multi-node").
+ranks, time) is ``python -m tests.multihost`` (docs/multi-node.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""No drift between what the README promises, the target registry, tox.ini and the measured figures.
+"""No drift between what the README and docs/ promise, the target registry, tox.ini and the measured figures.
 
 Every built-in target is run by an integration environment whose job imports it;
-every integration environment is a row of the README's "Supported libraries" table,
-naming the releases that environment pins and the figures
-``integration/measure_memory.py --record`` wrote to ``integration/figures.json``; the
-README's "Targets" table is the registry's.
+every integration environment is a row of the "Supported libraries" table
+(docs/libraries.md, and the README's short one), naming the releases that
+environment pins and the figures ``integration/measure_memory.py --record`` wrote
+to ``integration/figures.json``; the "Targets" table (docs/targets.md) is the registry's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from memgather import audits, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+LIBRARIES = (ROOT / "docs" / "libraries.md").read_text()
+TARGETS = (ROOT / "docs" / "targets.md").read_text()
 FIGURES = json.loads((ROOT / "integration" / "figures.json").read_text())
 # Top-level packages a pinned distribution ships besides its own name.
 SHIPS = {"pytorch-lightning": ("pytorch_lightning", "lightning_fabric"), "open_clip_torch": ("open_clip",)}
@@ -62,8 +64,9 @@ def _torch(env: configparser.SectionProxy) -> str:
     return next(line.strip() for line in env["deps"].splitlines() if line.strip().startswith("torch==")).split("==")[1]
 
 
-def _table(heading: str) -> List[List[str]]:
-    section = README.split(f"\n{heading}\n", 1)[1]
+def _table(page: str, heading: str) -> List[List[str]]:
+    """The first table under ``heading`` in ``page`` (a document's text), header left out."""
+    section = ("\n" + page).split(f"\n{heading}\n", 1)[1]
     rows = []
     for line in section.splitlines():
         if line.startswith("## ") or line.startswith("### "):
@@ -96,7 +99,7 @@ def test_every_builtin_target_is_run_by_an_integration_environment() -> None:
 def test_the_supported_libraries_table_is_the_environments_and_their_figures() -> None:
     environments = _environments()
     seen = set()
-    for row in _table("## Supported libraries"):
+    for row in _table(LIBRARIES, "# Supported libraries"):
         named = re.findall(r"`([^`]+)`", row[0])
         assert named and all(name in environments for name in named), row[0]
         seen.update(named)
@@ -121,12 +124,21 @@ def test_the_supported_libraries_table_is_the_environments_and_their_figures() -
 
 
 def test_the_targets_table_is_the_registry() -> None:
-    rows = _table("### Targets")
+    rows = _table(TARGETS, "## Targets")
     assert [re.findall(r"`([^`]+)`", row[0])[0] for row in rows] == [t.name for t in targets.BUILTIN]
     for row, target in zip(rows, targets.BUILTIN):
         assert f"`{target.distribution}` `{target.versions}`" in row[2], row
     for site in audits.AUDITED:
-        assert f"`{site.name}`: `{site.versions}`; read {', '.join(site.read)}" in README, site.name
+        assert f"`{site.name}`: `{site.versions}`; read {', '.join(site.read)}" in TARGETS, site.name
+
+
+def test_the_readme_lists_every_supported_library_at_the_versions_tested() -> None:
+    """The landing page's short table names the same environments and releases as docs/libraries.md."""
+    full = {tuple(re.findall(r"`([^`]+)`", row[0])): set(re.findall(r"\d+\.\d+\.\d+", row[1]))
+            for row in _table(LIBRARIES, "# Supported libraries")}
+    short = {tuple(re.findall(r"`([^`]+)`", row[2])): set(re.findall(r"\d+\.\d+\.\d+", row[1]))
+             for row in _table(README, "## Supported libraries")}
+    assert short == full
 
 
 @pytest.mark.parametrize("name", sorted(FIGURES))
