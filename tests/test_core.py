@@ -3,26 +3,17 @@ failure, memory, statistics."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import memgather
-from memgather import compat
+from memgather import compat, rss
 from tests.conftest import EAGER, unwrap
+from tests.ranks import as_bytes, call_each, filled, group_for, make_input, storage_bytes
 from tests.releases import EMPTY_KILLS_GLOO, gloo_gathers_empty_tensors
-from tests.ranks import (
-    async_work,
-    direct_in_place,
-    failure_after_rebind,
-    gather_result,
-    peak_growth,
-    uneven_check,
-    small_calls_twice,
-    uneven_inputs,
-    warnings_raised,
-)
 
 BIG = 655360  # float32 elements: 2.5 MiB per rank, gloo's broadcast route
 
@@ -174,3 +165,173 @@ def test_check_names_every_kind_of_unevenness(pools: Any, shapes: Any, dtypes: A
         assert result["raised"] and result["elapsed"] < 10
         for part in named:
             assert part in result["message"]
+
+
+# Run on every rank of a pool (tests/pool.py): each takes the rank's context first and
+# returns plain data for the test above to assert on.
+
+
+def uneven_check(ctx: Any, numel_by_rank: List[int]) -> Dict[str, Any]:
+    """memgather with check=True where rank i passes numel_by_rank[i] elements."""
+    numel = numel_by_rank[ctx.rank]
+    slots = [torch.zeros(numel) for _ in range(ctx.world)]
+    memgather.reset_stats()
+    try:
+        memgather.all_gather(slots, filled(ctx.rank, (numel,)), check=True)
+    except memgather.UnevenShapesError as error:
+        return {"raised": True, "message": str(error), "shapes": [(list(s), str(d)) for s, d in error.shapes],
+                "is_value_error": isinstance(error, ValueError)}
+    return {"raised": False, "strategy": dict(memgather.stats().by_strategy),
+            "correct": all(torch.equal(s, filled(r, (numel,))) for r, s in enumerate(slots))}
+
+
+def gather_result(ctx: Any, shape: Tuple[int, ...], dtype_name: str, subgroup: Optional[Tuple[int, ...]]) -> Any:
+    """memgather.gather vs torch.cat of torch's all_gather."""
+    group = group_for(subgroup)
+    if subgroup is not None and ctx.rank not in subgroup:
+        try:
+            memgather.gather(torch.ones(shape), group=group)
+        except ValueError as error:
+            return {"member": False, "message": str(error)}
+        return {"member": False, "message": None}
+    world = dist.get_world_size(group)
+    t = make_input(getattr(torch, dtype_name), shape, 7 + ctx.rank)
+    ref = [torch.empty_like(t) for _ in range(world)]
+    _, ref_raised = call_each(dist.all_gather, ref, t, group, False)
+    want = torch.stack(ref) if t.dim() == 0 else torch.cat(ref)
+    memgather.reset_stats()
+    try:
+        got = memgather.gather(t, group=group)
+    except Exception as error:  # noqa: BLE001 - where torch refuses the dtype, memgather must too
+        return {"member": True, "raised": [ref_raised, type(error).__name__]}
+    if ref_raised:
+        return {"member": True, "raised": [ref_raised, None]}
+    return {"member": True, "shape": list(got.shape), "want_shape": list(want.shape), "equal": as_bytes(got) == as_bytes(want),
+            "routes": dict(memgather.stats().by_route)}
+
+
+def async_work(ctx: Any, numel: int) -> Dict[str, Any]:
+    """The returned work of an async rewired call, and the slots after wait()."""
+    slots = [torch.zeros(numel) for _ in range(ctx.world)]
+    memgather.reset_stats()
+    work = memgather.all_gather(slots, filled(ctx.rank, (numel,)), async_op=True)
+    is_work = isinstance(work, dist.Work)
+    work.wait()
+    return {"is_work": is_work, "completed": work.is_completed(), "strategy": dict(memgather.stats().by_strategy),
+            "correct": all(torch.equal(s, filled(r, (numel,))) for r, s in enumerate(slots))}
+
+
+def failure_after_rebind(ctx: Any, numel: int) -> Dict[str, Any]:
+    """Rank 0 gathers on a 2 s group that rank 1 never joins the gather of."""
+    from datetime import timedelta
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if ctx.rank != 0:
+        return {"skipped": True}
+    slots = [torch.zeros(numel) for _ in range(2)]
+    ids = [id(s) for s in slots]
+    memgather.reset_stats()
+    try:  # async: the single route, where the slots are rebound before the collective runs
+        memgather.all_gather(slots, torch.ones(numel), group=group, async_op=True).wait()
+    except RuntimeError as error:
+        raised = type(error).__name__
+    else:
+        raised = None
+    return {
+        "skipped": False,
+        "raised": raised,
+        "strategy": dict(memgather.stats().by_strategy),
+        "identity_kept": [id(s) for s in slots] == ids,
+        "shapes": [list(s.shape) for s in slots],
+        "allocated": all(storage_bytes(s) >= s.numel() * s.element_size() for s in slots),
+    }
+
+
+def peak_growth(ctx: Any, numel: int, slots_kind: str, use_memgather: bool, elide: bool = False) -> Dict[str, Any]:
+    """Peak RSS growth (bytes) during one gather, the peak reset right before it."""
+    import gc
+
+    t = torch.rand(numel)
+    slots = [torch.empty_like(t) if slots_kind == "empty_like" else torch.zeros_like(t) for _ in range(ctx.world)]
+    gc.collect()
+    dist.barrier()
+    rss.reset_peak()
+    before = rss.current_bytes()
+    memgather.reset_stats()
+    if use_memgather:
+        memgather.all_gather(slots, t, elide=elide)
+    else:
+        dist.all_gather(slots, t)
+    growth = rss.peak_bytes() - before
+    correct = torch.equal(slots[ctx.rank], t)
+    del slots, t
+    gc.collect()
+    dist.barrier()
+    return {"growth": growth, "gathered": numel * 4 * ctx.world, "correct": correct,
+            "strategy": dict(memgather.stats().by_strategy), "route": dict(memgather.stats().by_route)}
+
+
+def direct_in_place(ctx: Any, numel: int) -> Dict[str, Any]:
+    """Adjacent views of one buffer, the input in its own slot: written where they lie."""
+    buffer = torch.zeros(ctx.world * numel)
+    slots = list(buffer.view(ctx.world, numel).unbind(0))
+    slots[ctx.rank].copy_(filled(ctx.rank, (numel,)))
+    pointers = [s.data_ptr() for s in slots]
+    buffer_ptr = compat.storage_ptr(buffer)
+    memgather.reset_stats()
+    memgather.all_gather(slots, slots[ctx.rank])
+    return {
+        "strategy": dict(memgather.stats().by_strategy),
+        "pointers_kept": [s.data_ptr() for s in slots] == pointers,
+        "same_storage": compat.storage_ptr(buffer) == buffer_ptr,
+        "correct": all(torch.equal(buffer.view(ctx.world, numel)[r], filled(r, (numel,))) for r in range(ctx.world)),
+    }
+
+
+def warnings_raised(ctx: Any) -> List[str]:
+    """Warnings memgather's own calls trigger on every route (torch's FutureWarnings included)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Small calls (passthrough by default), the broadcast route, the single route (async).
+        for numel, async_op in ((3, False), (3, True), (1 << 20, False), (1 << 20, True)):
+            slots = [torch.empty(numel) for _ in range(ctx.world)]
+            work = memgather.all_gather(slots, torch.ones(numel), async_op=async_op, check=not async_op)
+            if work is not None:
+                work.wait()
+            memgather.gather(torch.ones(numel))
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def uneven_inputs(ctx: Any, shapes: List[List[int]], dtypes: List[str]) -> Dict[str, Any]:
+    """check=True where rank i passes shapes[i] / dtypes[i] and its slots expect its own shape."""
+    import time
+
+    shape, dtype = tuple(shapes[ctx.rank]), getattr(torch, dtypes[ctx.rank])
+    slots = [torch.zeros(shape, dtype=dtype) for _ in range(ctx.world)]
+    started = time.monotonic()
+    try:
+        memgather.all_gather(slots, torch.ones(shape, dtype=dtype), check=True)
+    except memgather.UnevenShapesError as error:
+        return {"raised": True, "message": str(error), "elapsed": time.monotonic() - started}
+    return {"raised": False}
+
+
+def small_calls_twice(ctx: Any, subgroup: Tuple[int, ...]) -> Dict[str, Any]:
+    """Two small gloo calls on a group memgather has not seen yet: the first takes the
+    full path (and describes the group), the second the passthrough shortcut."""
+    group = dist.new_group(list(subgroup))  # every rank calls new_group; a new one each time
+    if ctx.rank not in subgroup:
+        return {"member": False}
+    world = dist.get_world_size(group)
+    memgather.reset_stats()
+    got = []
+    for _ in range(2):
+        slots = [torch.zeros(3) for _ in range(world)]
+        memgather.all_gather(slots, filled(ctx.rank, (3,)), group=group)
+        got.append([s.tolist() for s in slots])
+    want = [torch.zeros(3) for _ in range(world)]
+    dist.all_gather(want, filled(ctx.rank, (3,)), group=group)
+    return {"member": True, "same": got == [[s.tolist() for s in want]] * 2,
+            "fallbacks": dict(memgather.stats().fallbacks)}

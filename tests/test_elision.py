@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import pytest
+import torch
+import torch.distributed as dist
 
+import memgather
+from memgather import rss
+from memgather.elision import GivenSlot
 from tests.conftest import EAGER, unwrap
-from tests.ranks import elision_cases, elision_memory, elision_off_by_default, elision_other_op_disarms_group, elision_reuse
+from tests.ranks import FunctionTensor, filled
 
 ELIDED = {"cat", "cat_dim0_kw", "cat_negative_dim", "concat", "concatenate", "cat_tuple", "stack", "stack_negative_dim",
           "cat_after_read", "stack_scalars"}
@@ -137,3 +142,116 @@ def test_slots_that_alone_tile_their_buffer_are_armed_again(pools: Any) -> None:
     """The second gather writes where the slots lie (direct) and its cat still returns that buffer."""
     for result in unwrap(pools(2, **EAGER).run(gathered_again_then_cat)):
         assert result["strategy"] == {"direct": 1} and result["equal"] and result["zero_copy"], result
+
+
+# Run on every rank of a pool (tests/pool.py): each takes the rank's context first and
+# returns plain data for the test above to assert on.
+
+
+def _gathered(ctx: Any, shape: Tuple[int, ...] = (4, 3), elide: bool = True, offset: int = 0) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(slots after an elision-armed memgather gather, the values torch would give)."""
+    slots = [torch.empty(shape) for _ in range(ctx.world)]
+    memgather.all_gather(slots, filled(ctx.rank + offset, shape), elide=elide)
+    return slots, [filled(r + offset, shape) for r in range(ctx.world)]
+
+
+def elision_cases(ctx: Any) -> Dict[str, Any]:
+    """What cat/stack and friends return on armed slots, against plain torch."""
+    out: Dict[str, Any] = {}
+
+    def record(name: str, call: Any, reference: Any, shape: Tuple[int, ...] = (4, 3)) -> None:
+        slots, want = _gathered(ctx, shape)
+        base = slots[0].data_ptr()
+        try:
+            got = call(slots)
+        except Exception as error:  # noqa: BLE001
+            try:
+                reference(want)
+            except Exception as expected:  # noqa: BLE001
+                out[name] = {"raised": type(error).__name__ == type(expected).__name__}
+                return
+            raise
+        want_result = reference(want)
+        out[name] = {
+            "equal": torch.equal(got, want_result) and got.shape == want_result.shape,
+            "zero_copy": got.data_ptr() == base,
+            "plain_result": type(got) is torch.Tensor,
+            "slots_plain": all(type(s) is torch.Tensor for s in slots),
+            "slots_given": all(type(s) is GivenSlot for s in slots),
+        }
+
+    record("cat", lambda s: torch.cat(s), lambda w: torch.cat(w))
+    record("cat_dim0_kw", lambda s: torch.cat(tensors=s, dim=0), lambda w: torch.cat(w, 0))
+    record("cat_negative_dim", lambda s: torch.cat(s, -2), lambda w: torch.cat(w, -2))
+    record("concat", lambda s: torch.concat(s), lambda w: torch.concat(w))
+    record("concatenate", lambda s: torch.concatenate(s, 0), lambda w: torch.concatenate(w, 0))
+    record("cat_tuple", lambda s: torch.cat(tuple(s)), lambda w: torch.cat(tuple(w)))
+    record("stack", lambda s: torch.stack(s), lambda w: torch.stack(w))
+    record("stack_negative_dim", lambda s: torch.stack(s, -3), lambda w: torch.stack(w, -3))
+    record("cat_dim1", lambda s: torch.cat(s, 1), lambda w: torch.cat(w, 1))
+    record("stack_dim1", lambda s: torch.stack(s, 1), lambda w: torch.stack(w, 1))
+    record("cat_reversed", lambda s: torch.cat(s[::-1]), lambda w: torch.cat(w[::-1]))
+    record("cat_subset", lambda s: torch.cat(s[:1]), lambda w: torch.cat(w[:1]))
+    record("cat_out", lambda s: torch.cat(s, out=torch.empty(ctx.world * 4, 3)), lambda w: torch.cat(w))
+    record("cat_after_add", lambda s: (s[0].add_(1), torch.cat(s))[1], lambda w: (w[0].add_(1), torch.cat(w))[1])
+    record("cat_after_read", lambda s: (s[0].shape, torch.cat(s))[1], lambda w: torch.cat(w))
+    record("cat_scalars", lambda s: torch.cat(s), lambda w: torch.cat(w), shape=())
+    record("stack_scalars", lambda s: torch.stack(s), lambda w: torch.stack(w), shape=())
+    record("other_op", lambda s: s[1] * 2, lambda w: w[1] * 2)
+    return out
+
+
+def elision_off_by_default(ctx: Any) -> Dict[str, Any]:
+    slots = [torch.empty(3) for _ in range(ctx.world)]
+    memgather.all_gather(slots, filled(ctx.rank))
+    return {"plain": all(type(s) is torch.Tensor for s in slots), "copy": torch.cat(slots).data_ptr() != slots[0].data_ptr()}
+
+
+def elision_other_op_disarms_group(ctx: Any) -> Dict[str, Any]:
+    slots, want = _gathered(ctx)
+    first = slots[0].sum()
+    return {"plain_result": type(first) is torch.Tensor, "all_plain": all(type(s) is torch.Tensor for s in slots),
+            "cat_copies": torch.cat(slots).data_ptr() != slots[0].data_ptr()}
+
+
+def elision_reuse(ctx: Any, second_call: str) -> Dict[str, Any]:
+    """A result obtained by elision keeps its values when the same slots are gathered into again."""
+    slots, want = _gathered(ctx)
+    result = torch.cat(slots)
+    kept = result.clone()
+    memgather.reset_stats()
+    new_input = filled(ctx.rank + 50, (4, 3))
+    if second_call == "memgather":
+        memgather.all_gather(slots, new_input)
+    elif second_call == "memgather_fallback":  # a fallback: torch writes into the slots themselves
+        memgather.all_gather(slots, new_input.as_subclass(FunctionTensor))
+    elif second_call == "memgather_elide":
+        memgather.all_gather(slots, new_input, elide=True)
+        torch.cat(slots)
+    return {
+        "result_kept": torch.equal(result, kept),
+        "slots_new": all(torch.equal(s, filled(r + 50, (4, 3))) for r, s in enumerate(slots)),
+        "strategy": dict(memgather.stats().by_strategy),
+        "fallbacks": dict(memgather.stats().fallbacks),
+    }
+
+
+def elision_memory(ctx: Any, numel: int, elide: bool) -> Dict[str, Any]:
+    """Peak RSS growth of gather + torch.cat, with elision on or off."""
+    import gc
+
+    t = torch.rand(numel)
+    gc.collect()
+    dist.barrier()
+    rss.reset_peak()
+    before = rss.current_bytes()
+    slots = [torch.empty_like(t) for _ in range(ctx.world)]
+    memgather.all_gather(slots, t, elide=elide)
+    result = torch.cat(slots)
+    del slots
+    growth = rss.peak_bytes() - before
+    correct = torch.equal(result[ctx.rank * numel:(ctx.rank + 1) * numel], t)
+    del result
+    gc.collect()
+    dist.barrier()
+    return {"growth": growth, "gathered": numel * 4 * ctx.world, "correct": correct}

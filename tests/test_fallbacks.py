@@ -18,7 +18,7 @@ import sys
 import textwrap
 from collections import Counter
 from functools import partial
-from typing import Any, Callable, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import pytest
 import torch
@@ -27,16 +27,205 @@ import torch.distributed as dist
 import memgather
 from memgather import Reason, compat
 from tests.conftest import EAGER, unwrap
-from tests.ranks import (
-    BAD_INPUTS,
-    SLOT_MEMORY_INPUTS,
-    compare_bad_input,
-    compare_mixed_dtypes,
-    compare_peer_dependent,
-    compare_slot_memory,
-    differential,
-)
+from tests.ranks import FunctionTensor, as_bytes, differential, filled, storage_of
 from tests.releases import EMPTY_KILLS_GLOO, gloo_gathers_empty_tensors, requires_fake_backend
+
+# Run on every rank of a pool (tests/pool.py): each takes the rank's context first and
+# returns plain data for the tests below to assert on.
+
+
+def _views(world: int, rank: int) -> List[torch.Tensor]:
+    return list(torch.zeros(world * 3).view(world, 3).unbind(0))
+
+
+# name -> builder(rank, world) returning (tensor_list, input, keepalive).
+# Each builds what a caller could really pass; the keepalive holds references
+# (views, storages) the case needs alive during the call.
+BAD_INPUTS: Dict[str, Any] = {
+    "not_a_list": lambda r, w: (tuple(torch.empty(3) for _ in range(w)), filled(r), None),
+    "wrong_length": lambda r, w: ([torch.empty(3) for _ in range(w + 1)], filled(r), None),
+    "slot_not_a_tensor": lambda r, w: ([torch.empty(3) for _ in range(w - 1)] + [[0.0, 0.0, 0.0]], filled(r), None),
+    "input_not_a_tensor": lambda r, w: ([torch.empty(3) for _ in range(w)], [1.0, 2.0, 3.0], None),
+    "slot_subclass": lambda r, w: ([torch.nn.Parameter(torch.zeros(3), requires_grad=False) for _ in range(w)], filled(r), None),
+    "input_torch_function": lambda r, w: ([torch.empty(3) for _ in range(w)], filled(r).as_subclass(FunctionTensor), None),
+    "sparse_input": lambda r, w: ([torch.empty(3) for _ in range(w)], filled(r).to_sparse(), None),
+    "conj_input": lambda r, w: ([torch.empty(3, dtype=torch.complex64) for _ in range(w)], filled(r, dtype=torch.complex64).conj(), None),
+    "dtype_mismatch": lambda r, w: ([torch.empty(3, dtype=torch.float64) for _ in range(w)], filled(r), None),
+    "device_mismatch": lambda r, w: ([torch.empty(3, device="meta") for _ in range(w)], filled(r), None),
+    "meta_device": lambda r, w: ([torch.empty(3, device="meta") for _ in range(w)], torch.empty(3, device="meta"), None),
+    "uneven_slots": lambda r, w: ([torch.empty(4) for _ in range(w)], filled(r), None),
+    "slot_requires_grad": lambda r, w: ([torch.zeros(3, requires_grad=True) for _ in range(w)], filled(r), None),
+    "inference_slots": lambda r, w: (_inference_slots(w), filled(r), None),
+    "duplicate_slot": lambda r, w: ([torch.zeros(3)] * w, filled(r), None),
+    "input_is_other_rank_view": lambda r, w: _input_in_wrong_view(r, w),
+    "input_is_own_fresh_slot": lambda r, w: _input_is_fresh_slot(r, w),
+    "slot_view_held": lambda r, w: _slot_with_view(r, w),
+    "slot_storage_held": lambda r, w: _slot_with_storage(r, w),
+    "permuted_slots": lambda r, w: ([torch.empty(3, 2).t() for _ in range(w)], filled(r, (2, 3)), None),
+    "overlapping_slots": lambda r, w: (_overlapping_slots(w), filled(r), None),
+    "input_views_other_slot": lambda r, w: _input_views_other_slot(r, w),
+}
+
+
+def _overlapping_slots(world: int) -> List[torch.Tensor]:
+    """Slots sharing elements (torch's sequential copies decide what stays), not adjacent."""
+    base = torch.zeros(world + 2)
+    return [base[i:i + 3] for i in range(world)]
+
+
+def _input_views_other_slot(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    """The input is a view of the next rank's slot (not the slot object itself)."""
+    slots = [torch.zeros(3) for _ in range(world)]
+    other = slots[(rank + 1) % world]
+    other.copy_(filled(rank))
+    return slots, other.view(3), None
+
+
+def _inference_slots(world: int) -> List[torch.Tensor]:
+    with torch.inference_mode():
+        return [torch.zeros(3) for _ in range(world)]
+
+
+def _input_in_wrong_view(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    views = _views(world, rank)
+    other = views[(rank + 1) % world]
+    other.copy_(filled(rank))
+    return views, other, None
+
+
+def _input_is_fresh_slot(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    slots = [torch.zeros(3) for _ in range(world)]
+    slots[rank].copy_(filled(rank))
+    return slots, slots[rank], None
+
+
+def _slot_with_view(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    slots = [torch.zeros(3) for _ in range(world)]
+    return slots, filled(rank), slots[-1][1:]
+
+
+def _slot_with_storage(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    slots = [torch.zeros(3) for _ in range(world)]
+    return slots, filled(rank), storage_of(slots[0])
+
+
+def _outcome(fn: Any, build: Any, rank: int, world: int, **kwargs: Any) -> Tuple[str, Any]:
+    slots, given, keep = build(rank, world)
+    try:
+        fn(slots, given, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the outcome is what we compare
+        return ("raise", type(error).__name__)
+    seen = keep if isinstance(keep, torch.Tensor) else None
+    return ("ok", [as_bytes(s) for s in slots], as_bytes(seen) if seen is not None else None)
+
+
+def compare_bad_input(ctx: Any, name: str) -> Dict[str, Any]:
+    """Torch's outcome and memgather's for one BAD_INPUTS case, plus memgather's stats."""
+    build = BAD_INPUTS[name]
+    want = _outcome(dist.all_gather, build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world)
+    snapshot = memgather.stats()
+    return {"want": want, "got": got, "fallbacks": dict(snapshot.fallbacks), "strategy": dict(snapshot.by_strategy)}
+
+
+def compare_peer_dependent(ctx: Any, numel: int, odd_on: int, async_op: bool = False, odd: str = "view") -> Dict[str, Any]:
+    """Only rank ``odd_on`` has an odd slot: it must fall back, alone or with all.
+
+    ``odd``: "view" (a view of a slot is kept: no rebind) or "strided" (a slot is
+    not contiguous: neither rebound nor filled in place by broadcasts).
+    """
+
+    def build(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+        slots = [torch.zeros(numel) for _ in range(world)]
+        if rank == odd_on and odd == "strided":
+            slots[0] = torch.zeros(2 * numel)[::2]
+        return slots, filled(rank, (numel,)), slots[0][:1] if rank == odd_on and odd == "view" else None
+
+    want = _outcome(_waited(dist.all_gather, async_op), build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _outcome(_waited(memgather.all_gather, async_op), build, ctx.rank, ctx.world)
+    snapshot = memgather.stats()
+    return {"want": want, "got": got, "strategy": dict(snapshot.by_strategy), "fallbacks": dict(snapshot.fallbacks)}
+
+
+def _waited(function: Any, async_op: bool) -> Any:
+    def call(slots: Any, given: Any) -> None:
+        work = function(slots, given, async_op=async_op)
+        if work is not None:
+            work.wait()
+
+    return call
+
+
+def compare_mixed_dtypes(ctx: Any, numel: int, check: bool) -> Dict[str, Any]:
+    """Ranks pass equal byte counts of different dtypes (a broken program torch lets through)."""
+
+    def build(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+        dtype = torch.float32 if rank == 0 else torch.int32
+        return [torch.zeros(numel, dtype=dtype) for _ in range(world)], filled(rank, (numel,), dtype), None
+
+    want = _outcome(dist.all_gather, build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world, check=check)
+    return {"want": want, "got": got, "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+def _shared_memory_slots(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    """Fresh slots, one moved to shared memory (``share_memory_()``, as DataLoader workers' tensors are)."""
+    slots = [torch.zeros(3) for _ in range(world)]
+    slots[0].share_memory_()
+    return slots, filled(rank), None
+
+
+def _numpy_slots(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+    """Fresh slots, the last over a NumPy array's memory; the keepalive, a second tensor over
+    that array, shows whether the gathered bytes landed there, as they do under torch."""
+    import numpy
+
+    array = numpy.zeros(3, dtype=numpy.float32)
+    slots = [torch.zeros(3) for _ in range(world - 1)] + [torch.from_numpy(array)]
+    return slots, filled(rank), torch.from_numpy(array)
+
+
+# name -> builder(rank, world), as BAD_INPUTS: fresh slots that each hold their storage
+# alone, so memgather would rebind them, but whose memory is not the default allocator's.
+SLOT_MEMORY_INPUTS: Dict[str, Any] = {
+    "shared_memory_slot": _shared_memory_slots,
+    "numpy_slot": _numpy_slots,
+}
+
+
+def compare_slot_memory(ctx: Any, name: str, async_op: bool = False) -> Dict[str, Any]:
+    """Torch's outcome and memgather's for one SLOT_MEMORY_INPUTS case, elision on.
+
+    Elision on, so that gloo's broadcast route tries a rebind too (without a cat to
+    elide, it fills fresh slots where they lie and never asks). ``async_op``: gloo's
+    single-tensor route, where fresh slots can only be rebound or left to torch.
+    """
+    from functools import partial
+
+    build = SLOT_MEMORY_INPUTS[name]
+    want = _memory_outcome(_waited(dist.all_gather, async_op), build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _memory_outcome(_waited(partial(memgather.all_gather, elide=True), async_op), build, ctx.rank, ctx.world)
+    snapshot = memgather.stats()
+    return {"want": want, "got": got, "fallbacks": dict(snapshot.fallbacks), "strategy": dict(snapshot.by_strategy)}
+
+
+def _memory_outcome(fn: Any, build: Any, rank: int, world: int) -> Tuple[Any, ...]:
+    """``_outcome``, plus which slots are still in shared memory afterwards (a rebind moves a slot out)."""
+    built: List[List[torch.Tensor]] = []
+
+    def keep_slots(r: int, w: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+        slots, given, keep = build(r, w)
+        built.append(slots)
+        return slots, given, keep
+
+    outcome = _outcome(fn, keep_slots, rank, world)
+    return (*outcome, [slot.is_shared() for slot in built[0]])
+
+
 
 EXPECTED_REASON = {
     "not_a_list": "not_a_list",

@@ -7,16 +7,17 @@ import re
 import sys
 import threading
 import types
-from typing import Any, Iterator
+from typing import Any, Dict, Iterator, List
 
 import pytest
+import torch
 import torch.distributed as dist
 import wrapt
 
 import memgather
 from memgather import compat, patcher
 from tests.conftest import EAGER, unwrap
-from tests.ranks import scoped_calls
+from tests.ranks import filled
 from tests.sites.audited_calls import elided_sites
 
 ORIGINAL = dist.distributed_c10d.all_gather
@@ -216,3 +217,34 @@ def test_patch_applies_what_it_is_given_to_direct_calls(pools: Any) -> None:
         assert result["before"] == {"fallbacks": {"below_threshold": 1}, "rewired": 0}, result
         assert result["during"] == {"fallbacks": {}, "rewired": 1, "check": True}, result
         assert result["after_check"] is False and result["after"]["rewired"] == 0, result
+
+
+# Run on every rank of a pool (tests/pool.py): each takes the rank's context first and
+# returns plain data for the test above to assert on.
+
+
+def scoped_calls(ctx: Any, targets: List[str]) -> Dict[str, Any]:
+    """Which callers memgather rewires under patch(targets)."""
+    from tests.sites import from_import_caller, other_caller, target_caller
+
+    result: Dict[str, Any] = {}
+    memgather.patch(targets)
+    try:
+        for name, module in (("target", target_caller), ("other", other_caller), ("from_import", from_import_caller)):
+            memgather.reset_stats()
+            slots = module.gather(filled(ctx.rank))
+            result[name] = {"rewired": memgather.stats().rewired,
+                            "correct": all(torch.equal(s, filled(r)) for r, s in enumerate(slots))}
+        memgather.reset_stats()
+        objects = from_import_caller.gather_objects({"rank": ctx.rank})
+        result["objects"] = {"rewired": memgather.stats().rewired, "correct": objects == [{"rank": r} for r in range(ctx.world)]}
+        memgather.reset_stats()
+        with memgather.disabled():
+            target_caller.gather(filled(ctx.rank))
+        result["disabled"] = {"calls": memgather.stats().calls}
+    finally:
+        memgather.unpatch()
+    memgather.reset_stats()
+    target_caller.gather(filled(ctx.rank))
+    result["after_unpatch"] = {"calls": memgather.stats().calls}
+    return result

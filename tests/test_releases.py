@@ -10,16 +10,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Dict
 
 import pytest
 import torch
 
+import memgather
 from memgather import compat
 from tests import compatibility
 from tests.conftest import unwrap
 from tests.faults import pair_outcomes
-from tests.ranks import gloo_single_tensor_call
+from tests.ranks import filled
 from tests.releases import CURRENT, MEASURED
 
 
@@ -89,3 +90,18 @@ def test_target_module_under_memgather_1_grows_by_the_gathered_size() -> None:
         assert rank["memgather"] <= 1.05, rank
         assert rank["torch"] >= 1.5, rank  # what torch's temporary adds: the measurement sees it
         assert rank["memgather_stats"]["strategy"] == {"in_slots": 1}, rank
+
+
+# Run on every rank of a pool (tests/pool.py): each takes the rank's context first and
+# returns plain data for the test above to assert on.
+
+
+def gloo_single_tensor_call(ctx: Any) -> Dict[str, Any]:
+    """Whether gloo carries out torch's single-tensor all-gather here, and correctly when it does."""
+    primitive = memgather.primitive().function
+    out = torch.zeros(ctx.world * 3)
+    try:
+        primitive(out, filled(ctx.rank))
+    except RuntimeError as error:
+        return {"works": False, "message": str(error)}
+    return {"works": True, "correct": torch.equal(out, torch.cat([filled(r) for r in range(ctx.world)]))}

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 
+import memgather
 from memgather import verification
 from tests.conftest import EAGER, unwrap
-from tests.ranks import VERIFY_CASES, verified_calls, verify_catches
+from tests.ranks import filled
 from tests.test_entry_points import PYTHON, _run
 
 EXPECTED_STRATEGY = {
@@ -92,3 +93,74 @@ def test_pytest_option_verifies_an_unedited_suite(tmp_path: Path) -> None:
                  "--memgather-verify", str(tmp_path / "test_legacy.py")], cwd=tmp_path,
                 env={"MEMGATHER_GLOO_MIN_BYTES": "0", "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+# Run on every rank of a pool (tests/pool.py): each takes the rank's context first and
+# returns plain data for the test above to assert on.
+
+
+VERIFY_CASES = {
+    # name: (slots builder, async_op, elide) -- each reaches one strategy and route
+    "broadcast_in_slots": (lambda w, r, t: [torch.zeros_like(t) for _ in range(w)], False, False),
+    "broadcast_rebind_elided": (lambda w, r, t: [torch.zeros_like(t) for _ in range(w)], False, True),
+    "broadcast_direct": (lambda w, r, t: list(torch.zeros((w, *t.shape)).unbind(0)), False, False),
+    "single_rebind_async": (lambda w, r, t: [torch.zeros_like(t) for _ in range(w)], True, False),
+    "single_direct_async": (lambda w, r, t: list(torch.zeros((w, *t.shape)).unbind(0)), True, False),
+}
+
+
+def verified_calls(ctx: Any, shape: Tuple[int, ...]) -> Dict[str, Any]:
+    """Every case under verify mode: results, strategy and the verified count."""
+    out = {}
+    for name, (build, async_op, elide) in VERIFY_CASES.items():
+        given = filled(ctx.rank, shape)
+        slots = build(ctx.world, ctx.rank, given)
+        memgather.reset_stats()
+        work = memgather.all_gather(slots, given, async_op=async_op, elide=elide, verify=True)
+        if work is not None:
+            work.wait()
+        stats = memgather.stats()
+        joined = torch.cat(slots)  # elided where armed: the gathered buffer itself
+        want = torch.cat([filled(r, shape) for r in range(ctx.world)])
+        out[name] = {"correct": torch.equal(joined, want), "strategy": dict(stats.by_strategy),
+                     "verified": stats.verified}
+    return out
+
+
+def verify_catches(ctx: Any, shape: Tuple[int, ...], async_op: bool, corrupt_rank: int) -> Dict[str, Any]:
+    """A route made to write one wrong element on ``corrupt_rank``: verify mode must
+    raise VerifyError on every rank. Fault injection: the real route runs first."""
+    from memgather import routes
+
+    real_run, real_broadcast = routes.run, routes.broadcast_into
+
+    def corrupt(flat_or_slots: Any) -> None:
+        if ctx.rank == corrupt_rank:
+            target = flat_or_slots[1] if isinstance(flat_or_slots, list) else flat_or_slots.view(ctx.world, -1)[1]
+            target.view(-1)[5] += 1
+
+    def run(route: Any, flat: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = real_run(route, flat, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        corrupt(flat)
+        return work
+
+    def broadcast_into(destinations: List[torch.Tensor], *args: Any) -> None:
+        real_broadcast(destinations, *args)
+        corrupt(destinations)
+
+    routes.run, routes.broadcast_into = run, broadcast_into
+    try:
+        given = filled(ctx.rank, shape)
+        slots = [torch.zeros_like(given) for _ in range(ctx.world)]
+        try:
+            work = memgather.all_gather(slots, given, async_op=async_op, verify=True)
+        except memgather.VerifyError as error:
+            return {"raised": True, "message": str(error), "rank": error.rank, "index": list(error.index),
+                    "seen_by": error.seen_by, "shape": list(error.shape), "dtype": str(error.dtype)}
+        if work is not None:
+            work.wait()
+        return {"raised": False}
+    finally:
+        routes.run, routes.broadcast_into = real_run, real_broadcast

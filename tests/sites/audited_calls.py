@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 import memgather
-from memgather import audits, targets
+from memgather import audits, core, targets
 from memgather.elision import ElidableSlot
 from tests.sites import target_caller
 
@@ -60,6 +60,9 @@ def elided_sites(ctx: Any, metadata_dir: str, elide: Optional[bool], env_elide: 
             os.environ.pop("MEMGATHER_ELIDE", None)
         else:
             os.environ["MEMGATHER_ELIDE"] = saved_env
+        # unpatch() read the environment while MEMGATHER_ELIDE was still this case's: read it again,
+        # or direct calls made later on this rank would keep this case's elision setting.
+        core.configure()
         _forget_releases()
 
 
