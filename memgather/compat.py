@@ -341,6 +341,13 @@ def _find_increment_versions() -> Callable[[Sequence[torch.Tensor]], None]:
 increment_versions: Callable[[Sequence[torch.Tensor]], None] = _find_increment_versions()
 
 
+def not_a_group(group: Any) -> bool:
+    """Neither None, a ProcessGroup, nor torch's marker for a rank outside a subgroup (an int)."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return False
+    return not (type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER)
+
+
 def rank_not_in_group(group: Any) -> bool:
     """torch's own test for 'this rank is not a member of ``group``'."""
     return dist.distributed_c10d._rank_not_in_group(group)

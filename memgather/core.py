@@ -83,26 +83,48 @@ def all_gather(
     call and raises ``VerifyError`` on every rank if the results differ (see
     ``memgather.verification``: for test runs).
     """
+    call = ((tensor_list, tensor), {"group": group, "async_op": async_op})
+    return _handle(call, tensor_list, tensor, group, async_op, check, elide, verify)
+
+
+def handle(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool, elide: bool, verify: bool) -> Any:
+    """``all_gather`` for a call as the wrapper received it, whose arguments bind to torch's
+    signature (``at_once`` made sure): where it falls back, torch gets the caller's own call,
+    positional arguments and keywords as they were (torch's exception logging reads them)."""
+    count = len(args)
+    tensor_list = args[0] if count else kwargs["tensor_list"]
+    tensor = args[1] if count > 1 else kwargs["tensor"]
+    group = args[2] if count > 2 else kwargs.get("group")
+    async_op = args[3] if count > 3 else kwargs.get("async_op", False)
+    return _handle((args, kwargs), tensor_list, tensor, group, async_op, check, elide, verify)
+
+
+# A call as torch's all_gather is to receive it where memgather falls back: (args, kwargs).
+_Call = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+
+def _handle(call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: Optional[bool],
+            elide: Optional[bool], verify: Optional[bool]) -> Any:
     check = _settings.check if check is None else check
     if not check:
         reason = _torchs_at_once(tensor_list, tensor, group)
         if reason is not None:
-            return _fall_back(reason, tensor_list, tensor, group, async_op)
+            return to_torch(reason, *call)
     elide = bool(_settings.elide) if elide is None else elide
     verify = _settings.verify if verify is None else verify
     if not compat.profiler_enabled():
-        return _all_gather(tensor_list, tensor, group, async_op, check, elide, verify)
+        return _all_gather(call, tensor_list, tensor, group, async_op, check, elide, verify)
     # One range in a profile for the user's call: memgather's collectives show inside it.
     with torch.autograd.profiler.record_function(PROFILER_RANGE):
-        return _all_gather(tensor_list, tensor, group, async_op, check, elide, verify)
+        return _all_gather(call, tensor_list, tensor, group, async_op, check, elide, verify)
 
 
 def _all_gather(
-    tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: bool, elide: bool, verify: bool
+    call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: bool, elide: bool, verify: bool
 ) -> Any:
     reason = _precondition(tensor_list, tensor, group)
     if reason is not None:
-        return _fall_back(reason, tensor_list, tensor, group, async_op)
+        return to_torch(reason, *call)
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
     with compat.subclass_hooks_off():
         info = groups.describe(group)
@@ -118,7 +140,7 @@ def _all_gather(
             with compat.outside_modes() if watched else contextlib.nullcontext():  # the exchange is memgather's own
                 chosen, route = _agree(chosen, tensor_list, tensor, group, world, check, route)
     if not chosen.rewires:
-        return _fall_back(chosen.reason, tensor_list, tensor, group, async_op)
+        return to_torch(chosen.reason, *call)
     assert route is not None and gathered is not None  # a plan that rewires had both
     return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, elide, verify)
 
@@ -150,10 +172,11 @@ def _small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> bool:
     """A small gather() on a gloo or legacy NCCL group whose torch has the single-tensor call (the
     group is usable: gather() checked)."""
     info = groups.describe(group)
-    if (not _below_threshold(info, tensor, out.numel() * out.element_size())
-            or compat.single_tensor_primitive().function is None or compat.is_compiling()):
+    if not _below_threshold(info, tensor, out.numel() * out.element_size()):
         return False
-    if info.backend == "gloo":
+    if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
+        return False
+    if tensor.is_cpu:
         return compat.gloo_has_single_tensor()
     return tensor.is_contiguous()  # NCCL reads the input as raw memory: torch's list call takes any
 
@@ -192,8 +215,8 @@ def _below_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool
     on a gloo group, a CUDA one on a legacy NCCL group, any on torch's fake backend (timed as NCCL)."""
     if type(tensor) is not torch.Tensor:
         return False
-    if info.backend == "gloo":
-        return tensor.is_cpu and gathered < info.world * _gloo_min_bytes
+    if tensor.is_cpu and (info.backend == "gloo" or routes.backend_on(info.backend, "cpu") == "gloo"):
+        return gathered < info.world * _gloo_min_bytes  # "gloo", or gloo for CPU ("cpu:gloo,cuda:nccl")
     if (info.nccl == "legacy" and tensor.is_cuda) or info.backend == "fake":
         return gathered < info.world * _nccl_min_bytes
     return False
@@ -216,6 +239,8 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
         return Reason.FUNCTORCH
     if not dist.is_initialized():
         return Reason.NOT_INITIALIZED
+    if compat.not_a_group(group):
+        return Reason.BAD_ARGUMENTS  # torch fails on it in its own way
     if compat.rank_not_in_group(group):
         return Reason.NOT_IN_GROUP
     if compat.is_coalescing(group):
@@ -331,9 +356,6 @@ def to_torch(reason: Optional[Reason], args: Tuple[Any, ...], kwargs: Dict[str, 
         _log.debug("all_gather falls back to torch: %s", why or "unknown")
     return _original_all_gather(*args, **kwargs)
 
-
-def _fall_back(reason: Optional[Reason], tensor_list: Any, tensor: Any, group: Any, async_op: bool) -> Any:
-    return to_torch(reason, (tensor_list, tensor), {"group": group, "async_op": async_op})
 
 
 def _rewire(

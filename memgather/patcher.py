@@ -158,7 +158,7 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             reason = core.at_once(args, kwargs, active.check)
             if reason is not None:  # a small call, one on ProcessGroupNCCL2, bad arguments: torch's, at once
                 return core.to_torch(reason, args, kwargs)
-            return core.all_gather(*args, check=active.check, elide=known[2], verify=active.verify, **kwargs)
+            return core.handle(args, kwargs, active.check, known[2], active.verify)
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, List, Optional
 
 import torch
@@ -98,6 +99,12 @@ def backend_for_device(name: str, device: torch.device) -> str:
         if device_type.strip() == device.type:
             return backend.strip()
     return ""
+
+
+@lru_cache(maxsize=None)
+def backend_on(name: str, device_type: str) -> str:
+    """``backend_for_device`` by device type, cached: asked on every small call."""
+    return backend_for_device(name, torch.device(device_type))
 
 
 def gloo_threshold(setting: Optional[int]) -> int:

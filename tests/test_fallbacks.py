@@ -636,14 +636,15 @@ exec(compile('import torch.distributed as dist\\n'
              'def surplus(s, t): dist.all_gather(s, t, None, False, "surplus")\\n'
              'def unknown(s, t): dist.all_gather(s, t, check=True)\\n'
              'def twice(s, t): dist.all_gather(s, t, tensor=t)\\n'
-             'def missing(s, t): dist.all_gather(s)\\n', '<user>', 'exec'), user := {"__name__": "user_code"})
+             'def missing(s, t): dist.all_gather(s)\\n'
+             'def not_a_group(s, t): dist.all_gather(s, t, 5)\\n', '<user>', 'exec'), user := {"__name__": "user_code"})
 def errors():
     seen = []
-    for name in ("surplus", "unknown", "twice", "missing"):
+    for name in ("surplus", "unknown", "twice", "missing", "not_a_group"):
         try:
             user[name]([torch.empty(4), torch.empty(4)], torch.ones(4))
-        except TypeError as error:
-            seen.append(str(error))
+        except Exception as error:
+            seen.append(f"{type(error).__name__}: {error}")
     return seen
 torchs = errors()
 memgather.patch(["user_code"], check=CHECK)
@@ -653,14 +654,14 @@ print(json.dumps([torchs, errors(), dict(memgather.stats().fallbacks)]))
 
 def _bad_arguments(pools: Any) -> Counter:
     """Arguments torch's all_gather does not take, from a target (check off and on): torch's own
-    TypeError, word for word."""
+    TypeError, word for word; and a group that is not a process group, torch's own error."""
     counted: Counter = Counter()
     for check in (False, True):
         done = subprocess.run([sys.executable, "-c", _BAD_ARGUMENTS.replace("CHECK", str(check))],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         torchs, memgathers, fallbacks = json.loads(done.stdout)
-        assert len(torchs) == 4 and memgathers == torchs
+        assert len(torchs) == 5 and memgathers == torchs
         counted.update(fallbacks)
     return counted
 

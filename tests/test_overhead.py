@@ -1,7 +1,7 @@
 """The small-call fast path and ``memgather bench --overhead``, on torch's no-op fake backend.
 
 The fake backend is timed as legacy NCCL (routes.choose): a call under the NCCL
-threshold goes to torch from the wrapper, without ``core.all_gather``; from the
+threshold goes to torch from the wrapper, without ``core.handle`` (the full path); from the
 threshold on it is rewired. Each case runs in a process of its own, since the
 fake group is this process's default group.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Dict
 
 import pytest
@@ -44,10 +45,10 @@ def test_a_small_call_from_a_target_reaches_torch_from_the_wrapper() -> None:
         memgather.patch(["user_code"])
         user["call"](64 << 10)  # a group not seen before: the full path, which describes it
         def refuse(*args, **kwargs):
-            raise AssertionError("core.all_gather reached")
-        full_path, core.all_gather = core.all_gather, refuse
+            raise AssertionError("core.handle reached")
+        full_path, core.handle = core.handle, refuse
         user["call"](64 << 10)  # 64 KiB per rank: under the 1 MiB threshold
-        core.all_gather = full_path
+        core.handle = full_path
         user["call"](1 << 20)  # at the threshold: rewired
         print(dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
     """, {})
@@ -69,8 +70,8 @@ def test_a_call_with_check_on_takes_the_full_path() -> None:
     out = _run("""
         memgather.patch(["user_code"], check=True)
         reached = []
-        full_path = core.all_gather
-        core.all_gather = lambda *args, **kwargs: reached.append(1) or full_path(*args, **kwargs)
+        full_path = core.handle
+        core.handle = lambda *args, **kwargs: reached.append(1) or full_path(*args, **kwargs)
         user["call"](64 << 10)
         print(len(reached))
     """, {})
@@ -85,10 +86,45 @@ def test_small_gather_takes_the_single_call() -> None:
     assert out.strip() == "(16,) {'single': 1}"
 
 
+def test_small_gather_inside_coalescing_is_left_to_torch() -> None:
+    out = _run("""
+        from torch.distributed.distributed_c10d import _coalescing_manager
+        with _coalescing_manager(device=torch.device("cpu")):
+            memgather.gather(torch.ones(8))
+        print(dict(memgather.stats().by_strategy))
+    """, {})
+    assert out.strip() == "{'fallback': 1}"  # torch's list call, queued as torch queues it (not the single call)
+
+
+def test_small_cpu_calls_on_a_per_device_gloo_group_take_the_fast_path(tmp_path: Path) -> None:
+    """A group made with "cpu:gloo" (or torch's default "cpu:gloo,cuda:nccl"): gloo for CPU tensors."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        dist.init_process_group("cpu:gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+        import memgather
+        from memgather import core
+        exec(compile('import torch, torch.distributed as dist\\n'
+                     'def call(t): dist.all_gather([torch.empty_like(t)], t)\\n', '<user>', 'exec'),
+             user := {{'__name__': 'user_code'}})
+        memgather.patch(["user_code"])
+        user["call"](torch.ones(8))  # describes the group
+        def refuse(*args, **kwargs):
+            raise AssertionError("core.handle reached")
+        core.handle = refuse
+        user["call"](torch.ones(8))
+        print(dict(memgather.stats().fallbacks))
+        dist.destroy_process_group()
+    """)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "{'below_threshold': 2}"
+
+
 def test_bench_overhead_times_each_variant_as_named() -> None:
     out = _run("""
         from memgather import overhead
         results = overhead.measure(calls=50, rounds=1)  # raises where a variant was or was not rewired against its name
+        memgather.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4))
+        assert dict(memgather.stats().fallbacks) == {"below_threshold": 1}, "measure() left its threshold behind"
         print(sorted(results))
         print(overhead.table(results).splitlines()[0])
     """, {})
