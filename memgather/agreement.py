@@ -1,4 +1,4 @@
-"""One small collective in which the ranks agree before a call (step 3).
+"""One small collective in which the ranks agree before a call (before the route, step 4 of docs/calls.md).
 
 Each rank contributes a row of int64 metadata: whether its own plan rewires
 and which in-place route it is set to take (the broadcasts and the ring are

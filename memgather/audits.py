@@ -40,7 +40,7 @@ class AuditedSite:
 
     @property
     def name(self) -> str:
-        """``module:qualname``, as ``memgather doctor`` and the README print it."""
+        """``module:qualname``, as ``memgather doctor`` and docs/targets.md print it."""
         return f"{self.module}:{self.qualname}"
 
 

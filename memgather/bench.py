@@ -11,7 +11,7 @@ gives the transport floor (``_measure_floor``): the time the same bytes take
 through bare collectives alone, measured once per invocation in fresh processes
 of its own, and memgather's time as a multiple of it.
 
-Instead of the patterns, one option measures one figure the README gives:
+Instead of the patterns, one option measures one figure the README and docs/ give:
 ``--overhead`` (``memgather.overhead``), ``--routes`` (``memgather.route_times``,
 rank processes started here), ``--startup`` (``memgather.startup``) and
 ``--first-touch`` (``memgather.first_touch``).

@@ -1,4 +1,4 @@
-"""Per-process counters of what memgather did (step 6)."""
+"""Per-process counters of what memgather did (step 5 of docs/calls.md)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ audited to drop the list: while the result lives, it and the not-yet-touched
 slots share memory, so a write into the result (or freeing its storage) shows
 in such a slot; so does a write into a slot by code that bypasses torch's
 Python dispatch (a C extension, a raw pointer, TorchScript, a collective whose
-``__torch_function__`` check looks only at its input). README "Cat elision"
+``__torch_function__`` check looks only at its input). docs/elision.md
 lists them.
 """
 

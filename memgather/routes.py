@@ -1,4 +1,4 @@
-"""How the gathered bytes travel: the collective chosen per backend (step 5).
+"""How the gathered bytes travel: the collective chosen per backend (step 4 of docs/calls.md).
 
 Three routes exist:
 

@@ -1,4 +1,4 @@
-"""Which strategy a call may take, decided from its arguments alone (step 2 and 4).
+"""Which strategy a call may take, decided from its arguments alone (steps 2 and 3 of docs/calls.md).
 
 ``plan()`` looks at the caller's slots and input on this rank and answers one of:
 

@@ -44,7 +44,7 @@ def test_a_wrong_element_raises_on_every_rank(pools: Any, async_op: bool, corrup
         # Element 5 of slot 1 is (1, 1) in a (2, 4) input, seen by the corrupted rank only.
         assert (result["rank"], result["index"], result["seen_by"]) == (1, [1, 1], corrupt_rank)
         assert result["shape"] == [2, 4] and result["dtype"] == "torch.float32"
-        assert "tests.ranks.verify_catches (" in result["message"] and "ranks.py:" in result["message"]
+        assert "tests.test_verify.verify_catches (" in result["message"] and "test_verify.py:" in result["message"]
         assert "slot 1 differs from the original all_gather at index (1, 1)" in result["message"]
 
 
