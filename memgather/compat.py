@@ -214,9 +214,6 @@ def held_only_by_python(tensor: torch.Tensor) -> bool:
         return _tensor_use_count(tensor) == 1  # type: ignore[misc]
 
 
-_dispatch_stack_length = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
-
-
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
 
@@ -225,11 +222,6 @@ def functorch_wrapped(tensors: Iterable[Any]) -> bool:
     grad's tracking tensor): it has no storage of its own for memgather to lay out."""
     return _is_functorch_wrapped is not None and any(
         [isinstance(t, torch.Tensor) and _is_functorch_wrapped(t) for t in tensors])
-
-
-def dispatch_mode_active() -> bool:
-    """Whether a ``TorchDispatchMode`` is active (it sees every aten call torch makes)."""
-    return _dispatch_stack_length() > 0
 
 
 def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
@@ -414,7 +406,7 @@ def _find_dispatch_mode_active() -> Callable[[], bool]:
     return lambda: False
 
 
-# Whether a Python ``TorchDispatchMode`` is active.
+# Whether a Python ``TorchDispatchMode`` is active (it sees every aten call torch makes).
 dispatch_mode_active: Callable[[], bool] = _find_dispatch_mode_active()
 
 

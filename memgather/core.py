@@ -1,10 +1,10 @@
 """memgather's all-gather: the per-call path, top to bottom.
 
-``all_gather`` decides whether it may act, plans a strategy from the caller's
-slots (``strategies``), agrees with the other ranks where the route needs it
-(``agreement``), lays out the output (``slots``), moves the bytes
-(``routes``) and counts what it did (``counters``). Whatever it cannot prove safe
-goes to the original ``torch.distributed.all_gather`` unchanged.
+``all_gather`` takes the decision for the call (``planner``: strategy, route
+or the reason to stay out), agrees with the other ranks where the route needs
+it (``agreement``), lays out the output (``slots``), moves the bytes
+(``routes``) and counts what it did (``counters``). Whatever it cannot prove
+safe goes to the original ``torch.distributed.all_gather`` unchanged.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.overrides import has_torch_function
 
-from memgather import agreement, compat, config, counters, elision, groups, pages, routes, slots, verification
-from memgather.strategies import DIRECT, IN_SLOTS, REBIND, Plan, Reason, fallback, fill_in_slots, plan
+from memgather import agreement, compat, config, counters, elision, pages, planner, routes, slots, verification
+from memgather.strategies import DIRECT, REBIND, Plan, Reason, fallback
 
 _log = logging.getLogger("memgather")
 
@@ -30,8 +29,6 @@ _original_all_gather = dist.distributed_c10d.all_gather
 PROFILER_RANGE = "memgather::all_gather"
 
 _settings = config.Settings()
-_gloo_min_bytes = routes.gloo_threshold(None)
-_nccl_min_bytes = routes.nccl_threshold(None)
 
 
 def configure(settings: Optional[config.Settings] = None) -> None:
@@ -41,10 +38,9 @@ def configure(settings: Optional[config.Settings] = None) -> None:
     what ``patch()`` was given reaches direct calls too; the per-call path
     itself reads no environment variable.
     """
-    global _settings, _gloo_min_bytes, _nccl_min_bytes
+    global _settings
     _settings = config.load() if settings is None else settings
-    _gloo_min_bytes = routes.gloo_threshold(_settings.gloo_min_bytes)
-    _nccl_min_bytes = routes.nccl_threshold(_settings.nccl_min_bytes)
+    planner.configure(_settings)
 
 
 configure()
@@ -107,7 +103,7 @@ def _handle(call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bo
             elide: Optional[bool], verify: Optional[bool]) -> Any:
     check = _settings.check if check is None else check
     if not check:
-        reason = _torchs_at_once(tensor_list, tensor, group)
+        reason = planner.at_once(tensor_list, tensor, group)
         if reason is not None:
             return to_torch(reason, *call)
     elide = bool(_settings.elide) if elide is None else elide
@@ -122,27 +118,17 @@ def _handle(call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bo
 def _all_gather(
     call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: bool, elide: bool, verify: bool
 ) -> Any:
-    reason = _precondition(tensor_list, tensor, group)
-    if reason is not None:
-        return to_torch(reason, *call)
-    # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
-    with compat.subclass_hooks_off():
-        info = groups.describe(group)
-        world = info.world
-        gathered = _gathered_bytes(tensor_list, world)
-        route = _route(tensor, info, gathered, async_op)
-        # A dispatch mode would see memgather's own operations (its checks among them), and one that
-        # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
-        # Settled like a plan, in the exchange, so that ranks without the mode fall back too.
-        watched = compat.dispatch_mode_active()
-        chosen = fallback(Reason.DISPATCH_MODE) if watched else _plan(route, tensor_list, tensor, info, gathered)
-        if gathered is not None and (check or (route is not None and route.needs_agreement)):
-            with compat.outside_modes() if watched else contextlib.nullcontext():  # the exchange is memgather's own
-                chosen, route = _agree(chosen, tensor_list, tensor, group, world, check, route)
+    decision = planner.decide(tensor_list, tensor, group, async_op, elide)
+    chosen, route = decision.plan, decision.route
+    if decision.needs_agreement(check):
+        assert decision.info is not None  # a decision with a gathered size described the group
+        # The exchange is memgather's own: no subclass hook, and no dispatch mode, sees it.
+        with compat.subclass_hooks_off(), compat.outside_modes() if decision.watched else contextlib.nullcontext():
+            chosen, route = _agree(chosen, tensor_list, tensor, group, decision.info.world, check, route)
     if not chosen.rewires:
         return to_torch(chosen.reason, *call)
-    assert route is not None and gathered is not None  # a plan that rewires had both
-    return _rewire(chosen, route, tensor_list, tensor, group, async_op, gathered, elide, verify)
+    assert route is not None and decision.gathered is not None  # a plan that rewires had both
+    return _rewire(chosen, route, tensor_list, tensor, group, async_op, decision.gathered, elide, verify)
 
 
 def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = None) -> torch.Tensor:
@@ -157,7 +143,7 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
         raise ValueError("memgather.gather: this rank is not a member of the given process group")
     world = dist.get_world_size(group)
     out = torch.empty(slots.flat_shape(tensor.shape, world), dtype=tensor.dtype, device=tensor.device)
-    if not (_settings.check if check is None else check) and _small_single(out, tensor, group):
+    if not (_settings.check if check is None else check) and planner.small_single(out, tensor, group):
         # Below the threshold torch's single-tensor call is the cheapest way, and there
         # are no caller's slots to honour: the same call the hand-fixed code makes.
         counters.record(DIRECT.strategy.value, route=routes.SINGLE_STAGED.name)
@@ -166,129 +152,6 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
     pages.advise(out)
     all_gather(slots.views(out, world, tensor.shape), tensor, group, check=check)
     return out
-
-
-def _small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> bool:
-    """A small gather() on a gloo or legacy NCCL group whose torch has the single-tensor call (the
-    group is usable: gather() checked)."""
-    info = groups.describe(group)
-    if not _below_threshold(info, tensor, out.numel() * out.element_size()):
-        return False
-    if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
-        return False
-    if tensor.is_cpu:
-        return compat.gloo_has_single_tensor()
-    return tensor.is_contiguous()  # NCCL reads the input as raw memory: torch's list call takes any
-
-
-def _torchs_at_once(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
-    """Why the call certainly goes to torch, told from cheap facts; None where that takes the full path.
-
-    Small gloo calls are the most frequent kind and the ones where memgather's
-    own time shows: each microsecond of Python costs about two on the wall
-    clock of a 4 KiB gather; on NCCL, small calls save next to nothing (see
-    routes, "NCCL threshold"). Calls on ProcessGroupNCCL2, which fills the
-    slots itself, are never rewired. So all of them are recognised before
-    anything else. A call this cannot settle at once (a group not seen before,
-    a subclass, a malformed list, another backend) takes the full path.
-    Whatever the full path would have decided, such a call ends with the
-    original all_gather.
-    """
-    info = groups.known(group)
-    if info is None or type(tensor) is not torch.Tensor:
-        return None
-    if _on_nccl2(info, tensor):
-        return Reason.NCCL2
-    gathered = _gathered_bytes(tensor_list, info.world)
-    if gathered is not None and _below_threshold(info, tensor, gathered):
-        return Reason.BELOW_THRESHOLD
-    return None
-
-
-def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
-    """A CUDA tensor on a group whose NCCL backend is ProcessGroupNCCL2: left to torch (see routes.choose)."""
-    return info.nccl == "nccl2" and tensor.is_cuda
-
-
-def _below_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
-    """A plain tensor gathering less than its backend's threshold (see routes.PASSTHROUGH): a CPU one
-    on a gloo group, a CUDA one on a legacy NCCL group, any on torch's fake backend (timed as NCCL)."""
-    if type(tensor) is not torch.Tensor:
-        return False
-    if tensor.is_cpu and (info.backend == "gloo" or routes.backend_on(info.backend, "cpu") == "gloo"):
-        return gathered < info.world * _gloo_min_bytes  # "gloo", or gloo for CPU ("cpu:gloo,cuda:nccl")
-    if (info.nccl == "legacy" and tensor.is_cuda) or info.backend == "fake":
-        return gathered < info.world * _nccl_min_bytes
-    return False
-
-
-def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
-    """Reasons to stay out that hold alike on every rank of the group."""
-    if not isinstance(tensor, torch.Tensor):
-        return Reason.NOT_A_TENSOR
-    if has_torch_function((tensor,)):
-        return Reason.TORCH_FUNCTION
-    if compat.is_compiling():
-        return Reason.COMPILING
-    if tensor.is_cuda and compat.graph_capturing():
-        # Check and verify modes read results on the host, a rebind allocates (from the graph's
-        # private pool, for every replay to reuse) and frees memory from before capture: torch's
-        # own call is what capture records safely. Every rank captures the same program.
-        return Reason.GRAPH_CAPTURE
-    if compat.functorch_wrapped([tensor, *(tensor_list if type(tensor_list) is list else ())]):
-        return Reason.FUNCTORCH
-    if not dist.is_initialized():
-        return Reason.NOT_INITIALIZED
-    if compat.not_a_group(group):
-        return Reason.BAD_ARGUMENTS  # torch fails on it in its own way
-    if compat.rank_not_in_group(group):
-        return Reason.NOT_IN_GROUP
-    if compat.is_coalescing(group):
-        return Reason.COALESCING
-    if compat.single_tensor_primitive().function is None:
-        return Reason.NO_PRIMITIVE
-    return None
-
-
-def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int], async_op: bool) -> Optional[routes.Route]:
-    """How the bytes would travel; None for a malformed list or an unsupported backend."""
-    if gathered is None:
-        return None
-    device = tensor.device
-    backend = routes.backend_for_device(info.backend, device)
-    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor(),
-                         info.nccl, _nccl_min_bytes)
-
-
-def _plan(
-    route: Optional[routes.Route], tensor_list: Any, tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
-) -> Plan:
-    if gathered is not None and route is None:
-        return fallback(Reason.NCCL2 if _on_nccl2(info, tensor) else Reason.BACKEND)
-    if route is routes.PASSTHROUGH:  # decided before planning: this path must stay cheap
-        return fallback(Reason.BELOW_THRESHOLD)
-    if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
-        return fallback(Reason.INPUT_NOT_CONTIGUOUS)
-    chosen = plan(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here
-    if route is not None and route.in_place and not chosen.rewires:
-        chosen = fill_in_slots(tensor_list, tensor, info.rank, chosen)
-    return chosen
-
-
-def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:
-    """Total bytes of the slots, or None unless they are a list of ``world`` tensors.
-
-    In any program that works under torch this is the same on every rank, so
-    decisions made from it cannot split the ranks.
-    """
-    if type(tensor_list) is not list or len(tensor_list) != world:
-        return None
-    total = 0
-    for slot in tensor_list:
-        if not isinstance(slot, torch.Tensor):
-            return None
-        total += slot.numel() * slot.element_size()
-    return total
 
 
 def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, world: int, check: bool,
@@ -334,7 +197,7 @@ def at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool) -> Optio
         return Reason.BAD_ARGUMENTS
     if check:
         return None
-    return _torchs_at_once(args[0] if count else kwargs.get("tensor_list"),
+    return planner.at_once(args[0] if count else kwargs.get("tensor_list"),
                            args[1] if count > 1 else kwargs.get("tensor"),
                            args[2] if count > 2 else kwargs.get("group"))
 
@@ -369,8 +232,6 @@ def _rewire(
     elide: bool,
     verify: bool,
 ) -> Any:
-    if route.in_place and chosen is not DIRECT and not elide and not elision.any_given(tensor_list):
-        chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
     counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
     before = slots.versions(tensor_list)
     # Under torch the slots never carry autograd history: memgather's own copies must not add any.

@@ -99,10 +99,10 @@ def elision_lines(elide: Optional[bool]) -> List[str]:
     else:
         where = "on for every rewired call" if elide else "off everywhere"
         lines = [f"cat elision: {where} (MEMGATHER_ELIDE={int(elide)}); audited call sites:"]
-    for site in audits.AUDITED:
-        verdict = audits.covers(site)
+    for audited in audits.AUDITED:
+        verdict = audits.covers(audited)
         state = ("on, " if verdict.allowed else "off, ") if elide is None else ""
-        lines.append(f"  {site.name}: {site.distribution} {site.versions} (read {', '.join(site.read)}): "
+        lines.append(f"  {audited.name}: {audited.distribution} {audited.versions} (read {', '.join(audited.read)}): "
                      f"{state}{verdict.reason}")
     return lines
 

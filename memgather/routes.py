@@ -43,7 +43,6 @@ it differently still meet.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, List, Optional
@@ -117,6 +116,21 @@ def nccl_threshold(setting: Optional[int]) -> int:
     return NCCL_MIN_BYTES_PER_RANK if setting is None else setting
 
 
+def below_threshold(backend: str, device_type: str, nccl_flavour: Optional[str], gathered_bytes: int, world: int,
+                    gloo_min_bytes: Optional[int] = None, nccl_min_bytes: Optional[int] = None) -> bool:
+    """Whether a call is under its backend's threshold (``PASSTHROUGH``): the only place it is told.
+
+    ``backend`` is the one for the tensor's device (``backend_on``). Gloo on CPU
+    has its threshold, legacy NCCL on CUDA its own, and torch's fake backend
+    (used to time memgather itself) is timed as legacy NCCL.
+    """
+    if backend == "gloo" and device_type == "cpu":
+        return gathered_bytes < world * gloo_threshold(gloo_min_bytes)
+    if (backend.startswith("nccl") and device_type == "cuda" and nccl_flavour == "legacy") or backend == "fake":
+        return gathered_bytes < world * nccl_threshold(nccl_min_bytes)
+    return False
+
+
 def choose(
     backend: str,
     device: torch.device,
@@ -141,9 +155,9 @@ def choose(
     ``nccl_min_bytes`` (per rank; default ``NCCL_MIN_BYTES_PER_RANK``) is where
     its calls start to be rewired.
     """
+    if below_threshold(backend, device.type, nccl_flavour, gathered_bytes, world, gloo_min_bytes, nccl_min_bytes):
+        return PASSTHROUGH
     if backend == "gloo" and device.type == "cpu":
-        if gathered_bytes < world * gloo_threshold(gloo_min_bytes):
-            return PASSTHROUGH
         # Async calls take the single call: the agreement round before the
         # broadcasts would block a call that the caller expects to return at once.
         if async_op:
@@ -153,11 +167,9 @@ def choose(
         # Only the legacy group's list call runs the single call's collective (ncclAllGather
         # into a temporary): a rank that fell back still meets one that took the single call,
         # and the temporary is saved. ProcessGroupNCCL2 fills the slots itself, with broadcasts.
-        if nccl_flavour != "legacy":
-            return None
-        return PASSTHROUGH if gathered_bytes < world * nccl_threshold(nccl_min_bytes) else SINGLE_IN_PLACE
+        return SINGLE_IN_PLACE if nccl_flavour == "legacy" else None
     if backend == "fake":  # torch's no-op test backend, used to time memgather itself: as legacy NCCL
-        return PASSTHROUGH if gathered_bytes < world * nccl_threshold(nccl_min_bytes) else SINGLE_STAGED
+        return SINGLE_STAGED
     return None
 
 

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from memgather import bench, patterns, rss
 

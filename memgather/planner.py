@@ -1,0 +1,183 @@
+"""The decision for one call, made in one place: strategy, route and reason (steps 1 to 3 of docs/calls.md).
+
+``at_once`` is the first line: a call that certainly goes to torch, told from
+cheap facts (a small call on a group seen before, a call on ProcessGroupNCCL2).
+``decide`` is the rest: the preconditions every rank shares, the route
+(``routes.choose``), the strategy (``strategies``). Only the agreement round
+(``core``) may change what it decided, from what the other ranks decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.overrides import has_torch_function
+
+from memgather import compat, config, elision, groups, routes
+from memgather.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback, fill_in_slots, plan
+
+_gloo_min_bytes: Optional[int] = None
+_nccl_min_bytes: Optional[int] = None
+
+
+def configure(settings: config.Settings) -> None:
+    """Take the thresholds of ``settings`` (``core.configure`` passes them on)."""
+    global _gloo_min_bytes, _nccl_min_bytes
+    _gloo_min_bytes, _nccl_min_bytes = settings.gloo_min_bytes, settings.nccl_min_bytes
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``decide`` settled for a call; ``plan.reason`` is set exactly when it falls back."""
+
+    plan: Plan
+    route: Optional[routes.Route] = None
+    info: Optional[groups.GroupInfo] = None
+    gathered: Optional[int] = None  # bytes of the slots; None unless they are a list of world tensors
+    watched: bool = False  # a dispatch mode is active: the agreement round runs outside it
+
+    def needs_agreement(self, check: bool) -> bool:
+        """Whether the ranks must agree first: check mode, or a route every rank must share."""
+        return self.gathered is not None and (check or (self.route is not None and self.route.needs_agreement))
+
+
+def at_once(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
+    """Why the call certainly goes to torch, told from cheap facts; None where that takes ``decide``.
+
+    Small gloo calls are the most frequent kind and the ones where memgather's
+    own time shows: each microsecond of Python costs about two on the wall
+    clock of a 4 KiB gather; on NCCL, small calls save next to nothing (see
+    routes, "NCCL threshold"). Calls on ProcessGroupNCCL2, which fills the
+    slots itself, are never rewired. So all of them are recognised before
+    anything else. A call this cannot settle at once (a group not seen before,
+    a subclass, a malformed list, another backend) takes ``decide``. Whatever
+    that would have decided, such a call ends with the original all_gather.
+    """
+    info = groups.known(group)
+    if info is None or type(tensor) is not torch.Tensor:
+        return None
+    if _on_nccl2(info, tensor):
+        return Reason.NCCL2
+    gathered = _gathered_bytes(tensor_list, info.world)
+    if gathered is not None and _below_threshold(info, tensor, gathered):
+        return Reason.BELOW_THRESHOLD
+    return None
+
+
+def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: bool) -> Decision:
+    """The strategy and route this rank would take for the call, or the reason it falls back."""
+    reason = _precondition(tensor_list, tensor, group)
+    if reason is not None:
+        return Decision(fallback(reason))
+    # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
+    with compat.subclass_hooks_off():
+        info = groups.describe(group)
+        gathered = _gathered_bytes(tensor_list, info.world)
+        route = _route(tensor, info, gathered, async_op)
+        # A dispatch mode would see memgather's own operations (its checks among them), and one that
+        # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
+        # Settled like a plan, in the exchange, so that ranks without the mode fall back too.
+        watched = compat.dispatch_mode_active()
+        chosen = fallback(Reason.DISPATCH_MODE) if watched else _plan(route, tensor_list, tensor, info, gathered)
+        if chosen.rewires and route is not None and route.in_place and chosen is not DIRECT and not elide \
+                and not elision.any_given(tensor_list):
+            chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
+    return Decision(chosen, route, info, gathered, watched)
+
+
+def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> bool:
+    """Whether gather() takes torch's single-tensor call into ``out`` at once: a small gather on a
+    gloo or legacy NCCL group, where all_gather's preconditions hold (gather() checked the group)."""
+    if not _below_threshold(groups.describe(group), tensor, out.numel() * out.element_size()):
+        return False
+    if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
+        return False
+    if tensor.is_cpu:
+        return compat.gloo_has_single_tensor()
+    return tensor.is_contiguous()  # NCCL reads the input as raw memory: torch's list call takes any
+
+
+def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
+    """A CUDA tensor on a group whose NCCL backend is ProcessGroupNCCL2: left to torch (see routes.choose)."""
+    return info.nccl == "nccl2" and tensor.is_cuda
+
+
+def _below_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
+    """A plain tensor under its backend's threshold (``routes.below_threshold``)."""
+    if type(tensor) is not torch.Tensor:
+        return False
+    device_type = "cpu" if tensor.is_cpu else ("cuda" if tensor.is_cuda else tensor.device.type)
+    return routes.below_threshold(routes.backend_on(info.backend, device_type), device_type, info.nccl, gathered,
+                                  info.world, _gloo_min_bytes, _nccl_min_bytes)
+
+
+def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
+    """Reasons to stay out that hold alike on every rank of the group."""
+    if not isinstance(tensor, torch.Tensor):
+        return Reason.NOT_A_TENSOR
+    if has_torch_function((tensor,)):
+        return Reason.TORCH_FUNCTION
+    if compat.is_compiling():
+        return Reason.COMPILING
+    if tensor.is_cuda and compat.graph_capturing():
+        # Check and verify modes read results on the host, a rebind allocates (from the graph's
+        # private pool, for every replay to reuse) and frees memory from before capture: torch's
+        # own call is what capture records safely. Every rank captures the same program.
+        return Reason.GRAPH_CAPTURE
+    if compat.functorch_wrapped([tensor, *(tensor_list if type(tensor_list) is list else ())]):
+        return Reason.FUNCTORCH
+    if not dist.is_initialized():
+        return Reason.NOT_INITIALIZED
+    if compat.not_a_group(group):
+        return Reason.BAD_ARGUMENTS  # torch fails on it in its own way
+    if compat.rank_not_in_group(group):
+        return Reason.NOT_IN_GROUP
+    if compat.is_coalescing(group):
+        return Reason.COALESCING
+    if compat.single_tensor_primitive().function is None:
+        return Reason.NO_PRIMITIVE
+    return None
+
+
+def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int], async_op: bool) -> Optional[routes.Route]:
+    """How the bytes would travel; None for a malformed list or an unsupported backend."""
+    if gathered is None:
+        return None
+    device = tensor.device
+    backend = routes.backend_for_device(info.backend, device)
+    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor(),
+                         info.nccl, _nccl_min_bytes)
+
+
+def _plan(
+    route: Optional[routes.Route], tensor_list: Any, tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
+) -> Plan:
+    if gathered is not None and route is None:
+        return fallback(Reason.NCCL2 if _on_nccl2(info, tensor) else Reason.BACKEND)
+    if route is routes.PASSTHROUGH:  # decided before planning: this path must stay cheap
+        return fallback(Reason.BELOW_THRESHOLD)
+    if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
+        return fallback(Reason.INPUT_NOT_CONTIGUOUS)
+    chosen = plan(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here
+    if route is not None and route.in_place and not chosen.rewires:
+        chosen = fill_in_slots(tensor_list, tensor, info.rank, chosen)
+    return chosen
+
+
+def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:
+    """Total bytes of the slots, or None unless they are a list of ``world`` tensors.
+
+    In any program that works under torch this is the same on every rank, so
+    decisions made from it cannot split the ranks.
+    """
+    if type(tensor_list) is not list or len(tensor_list) != world:
+        return None
+    total = 0
+    for slot in tensor_list:
+        if not isinstance(slot, torch.Tensor):
+            return None
+        total += slot.numel() * slot.element_size()
+    return total
