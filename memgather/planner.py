@@ -81,7 +81,12 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
         # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
         # Settled like a plan, in the exchange, so that ranks without the mode fall back too.
         watched = compat.dispatch_mode_active()
-        chosen = fallback(Reason.DISPATCH_MODE) if watched else _plan(route, tensor_list, tensor, info, gathered)
+        if watched:
+            chosen = fallback(Reason.DISPATCH_MODE)
+        elif gathered is not None and _under_threshold(info, tensor, gathered):
+            chosen, route = fallback(Reason.BELOW_THRESHOLD), None  # decided before planning: this path stays cheap
+        else:
+            chosen = _plan(route, tensor_list, tensor, info, gathered)
         if chosen.rewires and route is not None and route.in_place and chosen is not DIRECT and not elide \
                 and not elision.any_given(tensor_list):
             chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
@@ -106,9 +111,12 @@ def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
 
 
 def _below_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
-    """A plain tensor under its backend's threshold (``routes.below_threshold``)."""
-    if type(tensor) is not torch.Tensor:
-        return False
+    """A plain tensor under its backend's threshold: ``at_once`` runs before the preconditions."""
+    return type(tensor) is torch.Tensor and _under_threshold(info, tensor, gathered)
+
+
+def _under_threshold(info: groups.GroupInfo, tensor: torch.Tensor, gathered: int) -> bool:
+    """``routes.below_threshold`` for this tensor's device on this group."""
     device_type = "cpu" if tensor.is_cpu else ("cuda" if tensor.is_cuda else tensor.device.type)
     return routes.below_threshold(routes.backend_on(info.backend, device_type), device_type, info.nccl, gathered,
                                   info.world, _gloo_min_bytes, _nccl_min_bytes)
@@ -148,8 +156,7 @@ def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
         return None
     device = tensor.device
     backend = routes.backend_for_device(info.backend, device)
-    return routes.choose(backend, device, gathered, info.world, async_op, _gloo_min_bytes, compat.gloo_has_single_tensor(),
-                         info.nccl, _nccl_min_bytes)
+    return routes.choose(backend, device, async_op, compat.gloo_has_single_tensor(), info.nccl)
 
 
 def _plan(
@@ -157,8 +164,6 @@ def _plan(
 ) -> Plan:
     if gathered is not None and route is None:
         return fallback(Reason.NCCL2 if _on_nccl2(info, tensor) else Reason.BACKEND)
-    if route is routes.PASSTHROUGH:  # decided before planning: this path must stay cheap
-        return fallback(Reason.BELOW_THRESHOLD)
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         return fallback(Reason.INPUT_NOT_CONTIGUOUS)
     chosen = plan(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here

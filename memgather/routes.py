@@ -83,9 +83,6 @@ RING_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int8
 # The ring's transfers carry a tag of their own, so that a user's own isend / irecv in
 # flight on the same group (tag 0 by default) is never matched with memgather's.
 RING_TAG = 0x4D47
-# Below a threshold (gloo's, legacy NCCL's): nothing or next to nothing to save,
-# and memgather's own work would only add time.
-PASSTHROUGH = Route("torch", saves_temp=False, needs_agreement=False)
 
 
 def backend_for_device(name: str, device: torch.device) -> str:
@@ -118,11 +115,13 @@ def nccl_threshold(setting: Optional[int]) -> int:
 
 def below_threshold(backend: str, device_type: str, nccl_flavour: Optional[str], gathered_bytes: int, world: int,
                     gloo_min_bytes: Optional[int] = None, nccl_min_bytes: Optional[int] = None) -> bool:
-    """Whether a call is under its backend's threshold (``PASSTHROUGH``): the only place it is told.
+    """Whether a call is under its backend's threshold, and so left to torch: the only place it is told.
 
-    ``backend`` is the one for the tensor's device (``backend_on``). Gloo on CPU
-    has its threshold, legacy NCCL on CUDA its own, and torch's fake backend
-    (used to time memgather itself) is timed as legacy NCCL.
+    Below it there is nothing or next to nothing to save, and memgather's own
+    work would only add time. ``backend`` is the one for the tensor's device
+    (``backend_on``). Gloo on CPU has its threshold, legacy NCCL on CUDA its
+    own, and torch's fake backend (used to time memgather itself) is timed as
+    legacy NCCL. Every input is the same on every rank of a working program.
     """
     if backend == "gloo" and device_type == "cpu":
         return gathered_bytes < world * gloo_threshold(gloo_min_bytes)
@@ -131,32 +130,18 @@ def below_threshold(backend: str, device_type: str, nccl_flavour: Optional[str],
     return False
 
 
-def choose(
-    backend: str,
-    device: torch.device,
-    gathered_bytes: int,
-    world: int,
-    async_op: bool,
-    gloo_min_bytes: Optional[int] = None,
-    gloo_single: bool = True,
-    nccl_flavour: Optional[str] = None,
-    nccl_min_bytes: Optional[int] = None,
-) -> Optional[Route]:
-    """The route for this call, or None where no route is known to be safe.
+def choose(backend: str, device: torch.device, async_op: bool, gloo_single: bool = True,
+           nccl_flavour: Optional[str] = None) -> Optional[Route]:
+    """The route for a call at or above its threshold (``below_threshold``), or None where no
+    route is known to be safe.
 
-    Every input here is the same on every rank of a working program (slot
-    sizes must agree across ranks for torch's own all_gather), so all ranks
-    choose alike. ``gloo_min_bytes`` (per rank; default
-    ``BROADCAST_MIN_BYTES_PER_RANK``) is where gloo calls start to be rewired;
-    ``gloo_single`` says whether this torch's gloo has the single-tensor
-    all-gather (``compat.gloo_has_single_tensor``). Large synchronous gloo calls
-    get ``BROADCAST``, which ``settle`` may turn into the ring once the ranks agreed.
-    ``nccl_flavour`` is the group's NCCL backend (``compat.nccl_flavour``);
-    ``nccl_min_bytes`` (per rank; default ``NCCL_MIN_BYTES_PER_RANK``) is where
-    its calls start to be rewired.
+    Every input here is the same on every rank of a working program, so all
+    ranks choose alike. ``gloo_single`` says whether this torch's gloo has the
+    single-tensor all-gather (``compat.gloo_has_single_tensor``). Synchronous
+    gloo calls get ``BROADCAST``, which ``settle`` may turn into the ring once
+    the ranks agreed. ``nccl_flavour`` is the group's NCCL backend
+    (``compat.nccl_flavour``).
     """
-    if below_threshold(backend, device.type, nccl_flavour, gathered_bytes, world, gloo_min_bytes, nccl_min_bytes):
-        return PASSTHROUGH
     if backend == "gloo" and device.type == "cpu":
         # Async calls take the single call: the agreement round before the
         # broadcasts would block a call that the caller expects to return at once.

@@ -1,6 +1,6 @@
 """The small-call fast path and ``memgather bench --overhead``, on torch's no-op fake backend.
 
-The fake backend is timed as legacy NCCL (routes.choose): a call under the NCCL
+The fake backend is timed as legacy NCCL (routes.below_threshold): a call under the NCCL
 threshold goes to torch from the wrapper, without ``core.handle`` (the full path); from the
 threshold on it is rewired. Each case runs in a process of its own, since the
 fake group is this process's default group.

@@ -15,23 +15,19 @@ MIB = 1 << 20
 
 
 @pytest.mark.parametrize(
-    "backend,device,per_rank,async_op,expected",
+    "backend,device,async_op,expected",
     [
-        ("gloo", CPU, 4 << 10, False, routes.PASSTHROUGH),
-        ("gloo", CPU, 2 * MIB - 1, False, routes.PASSTHROUGH),
-        ("gloo", CPU, 2 * MIB - 1, True, routes.PASSTHROUGH),
-        ("gloo", CPU, 2 * MIB, False, routes.BROADCAST),
-        ("gloo", CPU, 64 * MIB, True, routes.SINGLE_STAGED),
-        ("gloo", CUDA, 64 * MIB, False, None),
-        ("nccl", CPU, 4 << 10, False, None),
-        ("fake", CPU, 4 << 10, False, routes.PASSTHROUGH),  # timed as legacy NCCL: its threshold
-        ("fake", CPU, MIB, False, routes.SINGLE_STAGED),
-        ("mpi", CPU, 4 << 10, False, None),
-        ("", CPU, 4 << 10, False, None),
+        ("gloo", CPU, False, routes.BROADCAST),
+        ("gloo", CPU, True, routes.SINGLE_STAGED),
+        ("gloo", CUDA, False, None),
+        ("nccl", CPU, False, None),
+        ("fake", CPU, False, routes.SINGLE_STAGED),
+        ("mpi", CPU, False, None),
+        ("", CPU, False, None),
     ],
 )
-def test_choose(backend: str, device: torch.device, per_rank: int, async_op: bool, expected: object) -> None:
-    assert routes.choose(backend, device, per_rank * 3, 3, async_op) is expected
+def test_choose(backend: str, device: torch.device, async_op: bool, expected: object) -> None:
+    assert routes.choose(backend, device, async_op) is expected
 
 
 @pytest.mark.parametrize(
@@ -45,20 +41,37 @@ def test_choose(backend: str, device: torch.device, per_rank: int, async_op: boo
     ],
 )
 def test_nccl_by_flavour(backend: str, flavour: Any, expected: object) -> None:
-    for per_rank in (MIB, 64 * MIB):
-        assert routes.choose(backend, CUDA, per_rank * 3, 3, False, nccl_flavour=flavour) is expected
-        assert routes.choose(backend, CUDA, per_rank * 3, 3, True, nccl_flavour=flavour) is expected
-    assert routes.choose(backend, CPU, 64 * MIB, 3, False, nccl_flavour=flavour) is None
+    for async_op in (False, True):
+        assert routes.choose(backend, CUDA, async_op, nccl_flavour=flavour) is expected
+    assert routes.choose(backend, CPU, False, nccl_flavour=flavour) is None
 
 
-def test_small_legacy_nccl_calls_stay_with_torch_and_the_threshold_is_adjustable() -> None:
-    assert routes.choose("nccl", CUDA, 3 * MIB - 1, 3, False, nccl_flavour="legacy") is routes.PASSTHROUGH
-    assert routes.choose("nccl", CUDA, 3 * MIB, 3, False, nccl_flavour="legacy") is routes.SINGLE_IN_PLACE
-    assert routes.choose("nccl", CUDA, 8, 2, False, nccl_flavour="legacy", nccl_min_bytes=0) is routes.SINGLE_IN_PLACE
-    assert routes.choose("nccl", CUDA, 4 * MIB, 2, False, nccl_flavour="legacy",
-                         nccl_min_bytes=4 * MIB) is routes.PASSTHROUGH
-    # ProcessGroupNCCL2 never takes a route, whatever the size or threshold
-    assert routes.choose("nccl", CUDA, 8, 2, False, nccl_flavour="nccl2", nccl_min_bytes=0) is None
+@pytest.mark.parametrize(
+    "backend,device_type,flavour,per_rank,below",
+    [
+        ("gloo", "cpu", None, 4 << 10, True),
+        ("gloo", "cpu", None, 2 * MIB - 1, True),
+        ("gloo", "cpu", None, 2 * MIB, False),
+        ("gloo", "cuda", None, 4 << 10, False),  # no route at all: the backend decides, not a threshold
+        ("nccl", "cuda", "legacy", MIB - 1, True),
+        ("nccl", "cuda", "legacy", MIB, False),
+        ("nccl-legacy", "cuda", "legacy", 4 << 10, True),
+        ("nccl", "cuda", "nccl2", 4 << 10, False),  # ProcessGroupNCCL2: never rewired, whatever the size
+        ("nccl", "cpu", "legacy", 4 << 10, False),
+        ("fake", "cpu", None, MIB - 1, True),  # timed as legacy NCCL: its threshold
+        ("fake", "cpu", None, MIB, False),
+        ("mpi", "cpu", None, 4 << 10, False),
+    ],
+)
+def test_below_threshold(backend: str, device_type: str, flavour: Any, per_rank: int, below: bool) -> None:
+    assert routes.below_threshold(backend, device_type, flavour, per_rank * 3, 3) is below
+
+
+def test_thresholds_are_adjustable() -> None:
+    assert not routes.below_threshold("gloo", "cpu", None, 8, 2, gloo_min_bytes=0)
+    assert routes.below_threshold("gloo", "cpu", None, 4 * MIB, 2, gloo_min_bytes=4 * MIB)
+    assert not routes.below_threshold("nccl", "cuda", "legacy", 8, 2, nccl_min_bytes=0)
+    assert routes.below_threshold("nccl", "cuda", "legacy", 4 * MIB, 2, nccl_min_bytes=4 * MIB)
 
 
 def test_nccl_flavour_is_told_by_the_groups_cuda_backend_class() -> None:
@@ -87,12 +100,6 @@ def flavour_of_world(ctx: Any) -> List[Any]:
     return [compat.nccl_flavour(dist.GroupMember.WORLD), groups.describe(None).nccl]
 
 
-def test_gloo_threshold_is_adjustable() -> None:
-    assert routes.choose("gloo", CPU, 8, 2, False, gloo_min_bytes=0) is routes.BROADCAST
-    assert routes.choose("gloo", CPU, 8, 2, True, gloo_min_bytes=0) is routes.SINGLE_STAGED
-    assert routes.choose("gloo", CPU, 4 * MIB, 2, False, gloo_min_bytes=4 * MIB) is routes.PASSTHROUGH
-
-
 def test_only_the_broadcast_route_needs_agreement_and_only_nccl_needs_contiguous_input() -> None:
     assert [r.needs_agreement for r in (routes.SINGLE_STAGED, routes.SINGLE_IN_PLACE, routes.BROADCAST)] == [False, False, True]
     assert [r.contiguous_input_only for r in (routes.SINGLE_STAGED, routes.SINGLE_IN_PLACE, routes.BROADCAST)] == [False, True, False]
@@ -109,8 +116,8 @@ def test_backend_for_device(name: str, device: torch.device, expected: str) -> N
 
 def test_async_gloo_calls_leave_torch_alone_where_gloo_lacks_the_single_tensor_call() -> None:
     # torch < 2.2: gloo raises on all_gather_into_tensor, which torch's list call never does.
-    assert routes.choose("gloo", CPU, 8 * MIB, 2, True, gloo_single=False) is None
-    assert routes.choose("gloo", CPU, 8 * MIB, 2, False, gloo_single=False) is routes.BROADCAST
+    assert routes.choose("gloo", CPU, True, gloo_single=False) is None
+    assert routes.choose("gloo", CPU, False, gloo_single=False) is routes.BROADCAST
 
 
 @pytest.mark.parametrize("version,expected", [
@@ -124,7 +131,7 @@ def test_gloo_single_tensor_support_by_torch_release(version: str, expected: boo
 
 
 def test_the_ring_where_the_group_spans_hosts_or_where_set() -> None:
-    broadcast = routes.choose("gloo", CPU, 8 * MIB, 2, False)
+    broadcast = routes.choose("gloo", CPU, False)
     assert broadcast is routes.BROADCAST
     assert routes.settle(broadcast, "auto", True, torch.float32) is routes.RING
     assert routes.settle(broadcast, "auto", True, torch.complex64) is routes.RING
