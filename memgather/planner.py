@@ -76,15 +76,17 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
     with compat.subclass_hooks_off():
         info = groups.describe(group)
         gathered = _gathered_bytes(tensor_list, info.world)
-        route = _route(tensor, info, gathered, async_op)
+        # Under the threshold no route is taken, so no rank agrees on one: decided before anything else.
+        below = gathered is not None and _under_threshold(info, tensor, gathered)
+        route = None if below else _route(tensor, info, gathered, async_op)
         # A dispatch mode would see memgather's own operations (its checks among them), and one that
         # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
         # Settled like a plan, in the exchange, so that ranks without the mode fall back too.
         watched = compat.dispatch_mode_active()
         if watched:
             chosen = fallback(Reason.DISPATCH_MODE)
-        elif gathered is not None and _under_threshold(info, tensor, gathered):
-            chosen, route = fallback(Reason.BELOW_THRESHOLD), None  # decided before planning: this path stays cheap
+        elif below:
+            chosen = fallback(Reason.BELOW_THRESHOLD)
         else:
             chosen = _plan(route, tensor_list, tensor, info, gathered)
         if chosen.rewires and route is not None and route.in_place and chosen is not DIRECT and not elide \

@@ -118,6 +118,35 @@ def test_a_dispatch_mode_leaves_the_call_to_torch_on_every_rank(pools: Any, watc
                           "mode_saw_what_it_sees_under_torch": True}, (rank, result)
 
 
+def small_call_under_a_mode_on_rank_zero(ctx: Any) -> Dict[str, Any]:
+    """A call under the threshold whose input a Parameter (the wrapper's shortcut takes plain tensors
+    only, so it reaches the planner every time), under a TorchDispatchMode on rank 0 only: no rank
+    takes a route, so none may wait in an agreement round for the others."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import memgather
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    memgather.reset_stats()
+    got = []
+    for _ in range(2):
+        slots = [torch.zeros(4) for _ in range(ctx.world)]
+        given = torch.nn.Parameter(torch.full((4,), float(ctx.rank + 1)))
+        with Watching() if ctx.rank == 0 else contextlib.nullcontext():
+            memgather.all_gather(slots, given)
+        got.append([s[0].item() for s in slots])
+    return {"values": got, "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+def test_a_small_call_under_a_mode_on_one_rank_needs_no_agreement(pools: Any) -> None:
+    results = unwrap(pools(2).run(small_call_under_a_mode_on_rank_zero, timeout_s=30))
+    assert results[0] == {"values": [[1.0, 2.0]] * 2, "fallbacks": {"dispatch_mode": 2}}, results[0]
+    assert results[1] == {"values": [[1.0, 2.0]] * 2, "fallbacks": {"below_threshold": 2}}, results[1]
+
+
 def test_the_exit_report_names_the_rank_of_the_default_group_at_exit(tmp_path: Any) -> None:
     """A world of 2, destroyed; a new world of 2 in which the ranks swap and only a subgroup
     gathers: the report names each process's rank in the new default group."""
