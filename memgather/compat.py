@@ -117,16 +117,16 @@ def subclass_hooks_off() -> ContextManager[Any]:
     return _subclass_hooks_off() if _subclass_hooks_off is not None else contextlib.nullcontext()
 
 
-def _storage_of(tensor: torch.Tensor) -> Any:
-    """``tensor.untyped_storage()``, with no subclass hook run: memgather looking at its own slots.
+def _unhooked(tensor: torch.Tensor, read: Callable[[torch.Tensor], Any]) -> Any:
+    """``read(tensor)`` with no subclass hook run: memgather looking at its own slots.
 
     A plain ``torch.Tensor`` has no hook to switch off, and most slots are plain:
-    they skip the switch, which costs more than the lookup.
+    they skip the switch, which costs more than what they read.
     """
     if type(tensor) is torch.Tensor:
-        return tensor.untyped_storage()
+        return read(tensor)
     with subclass_hooks_off():
-        return tensor.untyped_storage()
+        return read(tensor)
 
 
 def _find_storage_ptr() -> Callable[[torch.Tensor], int]:
@@ -168,7 +168,7 @@ def storage_holders(tensor: torch.Tensor) -> Optional[int]:
 def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
     # The local storage object dies on return, so it cannot keep the memory
     # alive through a rebind. Subclass hooks stay out: this is memgather looking.
-    storage = _storage_of(tensor)
+    storage = _unhooked(tensor, torch.Tensor.untyped_storage)
     return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
 
 
@@ -208,10 +208,7 @@ def can_prove_alias_free() -> bool:
 
 def held_only_by_python(tensor: torch.Tensor) -> bool:
     """No C++ handle to ``tensor`` beyond its Python object (only where can_prove_alias_free())."""
-    if type(tensor) is torch.Tensor:
-        return _tensor_use_count(tensor) == 1  # type: ignore[misc]
-    with subclass_hooks_off():
-        return _tensor_use_count(tensor) == 1  # type: ignore[misc]
+    return _unhooked(tensor, _tensor_use_count) == 1  # type: ignore[arg-type]
 
 
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
@@ -278,10 +275,7 @@ def default_private_memory(tensor: torch.Tensor) -> bool:
     CUDA memgather cannot tell a ``MemPool``'s or a pluggable allocator's block
     from the default pool's, so no CUDA memory qualifies.
     """
-    if type(tensor) is not torch.Tensor:  # memgather's own slot kinds: their hooks stay out
-        with subclass_hooks_off():
-            return _default_private_memory(tensor)
-    return _default_private_memory(tensor)
+    return bool(_unhooked(tensor, _default_private_memory))
 
 
 def _default_private_memory(tensor: torch.Tensor) -> bool:

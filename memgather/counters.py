@@ -71,14 +71,6 @@ def record(strategy: str, route: Optional[str] = None, reason: Optional[str] = N
         _bytes_saved += saved
 
 
-def record_fallback(reason: Optional[str]) -> None:
-    """Count one call that went to torch (``record("fallback", reason=reason)``, with less to do)."""
-    with _lock:
-        _strategies["fallback"] += 1
-        if reason is not None:
-            _fallbacks[reason] += 1
-
-
 def record_verified() -> None:
     """Count one rewired call that verify mode found identical to the original."""
     global _verified

@@ -157,8 +157,8 @@ def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
     if gathered is None:
         return None
     device = tensor.device
-    backend = routes.backend_for_device(info.backend, device)
-    return routes.choose(backend, device, async_op, compat.gloo_has_single_tensor(), info.nccl)
+    return routes.choose(routes.backend_on(info.backend, device.type), device, async_op,
+                         compat.gloo_has_single_tensor(), info.nccl)
 
 
 def _plan(

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, Iterator, Tuple
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Dict, FrozenSet, Iterator, Optional, Tuple
 
 import pytest
 
@@ -42,3 +46,31 @@ def unwrap(results: list) -> list:
         if isinstance(result, RankError):
             pytest.fail(f"rank {rank} raised {result.type_name}: {result.message}\n{result.traceback}")
     return results
+
+
+# A process that is a world of 2 on torch's no-op fake backend, memgather imported, and
+# ``user``: a namespace whose code counts as the module ``user_code`` (name it as a target).
+# Its ``call(per_rank)`` gathers per_rank bytes of float32 into fresh slots.
+_FAKE_PRELUDE = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+import memgather
+from memgather import core
+exec(compile('import torch, torch.distributed as dist\\n'
+             'def call(per_rank):\\n'
+             '    t = torch.ones(per_rank // 4)\\n'
+             '    slots = [torch.empty_like(t), torch.empty_like(t)]\\n'
+             '    dist.all_gather(slots, t)\\n'
+             '    return slots\\n', '<user>', 'exec'), user := {'__name__': 'user_code'})
+"""
+
+
+def run_on_fake(body: str, env: Optional[Dict[str, str]] = None) -> str:
+    """``body`` (dedented) run after ``_FAKE_PRELUDE`` in a fresh interpreter; its standard output."""
+    # torch cannot wrap the fake backend for TORCH_DISTRIBUTED_DEBUG=DETAIL (its checks need a real
+    # store), and a world of one process has no other rank to check against.
+    done = subprocess.run([sys.executable, "-c", _FAKE_PRELUDE + textwrap.dedent(body)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": "OFF", **(env or {})})
+    assert done.returncode == 0, done.stderr
+    return done.stdout

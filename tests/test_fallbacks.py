@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import memgather
 from memgather import Reason, compat
-from tests.conftest import EAGER, unwrap
+from tests.conftest import EAGER, run_on_fake, unwrap
 from tests.ranks import FunctionTensor, as_bytes, differential, filled, storage_of
 from tests.releases import EMPTY_KILLS_GLOO, gloo_gathers_empty_tensors, requires_fake_backend
 
@@ -628,27 +628,24 @@ def _nccl2(pools: Any) -> Counter:
 
 
 _BAD_ARGUMENTS = """
-import json, torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-import memgather
-exec(compile('import torch.distributed as dist\\n'
-             'def surplus(s, t): dist.all_gather(s, t, None, False, "surplus")\\n'
-             'def unknown(s, t): dist.all_gather(s, t, check=True)\\n'
-             'def twice(s, t): dist.all_gather(s, t, tensor=t)\\n'
-             'def missing(s, t): dist.all_gather(s)\\n'
-             'def not_a_group(s, t): dist.all_gather(s, t, 5)\\n', '<user>', 'exec'), user := {"__name__": "user_code"})
-def errors():
-    seen = []
-    for name in ("surplus", "unknown", "twice", "missing", "not_a_group"):
-        try:
-            user[name]([torch.empty(4), torch.empty(4)], torch.ones(4))
-        except Exception as error:
-            seen.append(f"{type(error).__name__}: {error}")
-    return seen
-torchs = errors()
-memgather.patch(["user_code"], check=CHECK)
-print(json.dumps([torchs, errors(), dict(memgather.stats().fallbacks)]))
+    import json
+    exec(compile('import torch.distributed as dist\\n'
+                 'def surplus(s, t): dist.all_gather(s, t, None, False, "surplus")\\n'
+                 'def unknown(s, t): dist.all_gather(s, t, check=True)\\n'
+                 'def twice(s, t): dist.all_gather(s, t, tensor=t)\\n'
+                 'def missing(s, t): dist.all_gather(s)\\n'
+                 'def not_a_group(s, t): dist.all_gather(s, t, 5)\\n', '<user>', 'exec'), user)
+    def errors():
+        seen = []
+        for name in ("surplus", "unknown", "twice", "missing", "not_a_group"):
+            try:
+                user[name]([torch.empty(4), torch.empty(4)], torch.ones(4))
+            except Exception as error:
+                seen.append(f"{type(error).__name__}: {error}")
+        return seen
+    torchs = errors()
+    memgather.patch(["user_code"], check=CHECK)
+    print(json.dumps([torchs, errors(), dict(memgather.stats().fallbacks)]))
 """
 
 
@@ -657,10 +654,7 @@ def _bad_arguments(pools: Any) -> Counter:
     TypeError, word for word; and a group that is not a process group, torch's own error."""
     counted: Counter = Counter()
     for check in (False, True):
-        done = subprocess.run([sys.executable, "-c", _BAD_ARGUMENTS.replace("CHECK", str(check))],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        torchs, memgathers, fallbacks = json.loads(done.stdout)
+        torchs, memgathers, fallbacks = json.loads(run_on_fake(_BAD_ARGUMENTS.replace("CHECK", str(check))))
         assert len(torchs) == 5 and memgathers == torchs
         counted.update(fallbacks)
     return counted

@@ -12,38 +12,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict
 
 import pytest
 
-_PRELUDE = """
-import torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-import memgather
-from memgather import core
-exec(compile('import torch, torch.distributed as dist\\n'
-             'def call(per_rank):\\n'
-             '    t = torch.ones(per_rank // 4)\\n'
-             '    slots = [torch.empty_like(t), torch.empty_like(t)]\\n'
-             '    dist.all_gather(slots, t)\\n'
-             '    return slots\\n', '<user>', 'exec'), user := {'__name__': 'user_code'})
-"""
-
-
-def _run(body: str, env: Dict[str, str]) -> str:
-    import os
-
-    # torch cannot wrap the fake backend for TORCH_DISTRIBUTED_DEBUG=DETAIL (its checks need a real
-    # store), and a world of one process has no other rank to check against.
-    done = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(body)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": "OFF", **env})
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
+from tests.conftest import run_on_fake
 
 def test_a_small_call_from_a_target_reaches_torch_from_the_wrapper() -> None:
-    out = _run("""
+    out = run_on_fake("""
         memgather.patch(["user_code"])
         user["call"](64 << 10)  # a group not seen before: the full path, which describes it
         def refuse(*args, **kwargs):
@@ -60,7 +35,7 @@ def test_a_small_call_from_a_target_reaches_torch_from_the_wrapper() -> None:
 @pytest.mark.parametrize("setting,expected", [("0", "{'rebind': 1} {}"), (str(2 << 20), "{'fallback': 1} "
                                                                              "{'below_threshold': 1}")])
 def test_the_nccl_threshold_setting_moves_it(setting: str, expected: str) -> None:
-    out = _run("""
+    out = run_on_fake("""
         memgather.patch(["user_code"])
         user["call"](1 << 20)
         print(dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
@@ -69,7 +44,7 @@ def test_the_nccl_threshold_setting_moves_it(setting: str, expected: str) -> Non
 
 
 def test_a_call_with_check_on_takes_the_full_path() -> None:
-    out = _run("""
+    out = run_on_fake("""
         memgather.patch(["user_code"], check=True)
         reached = []
         full_path = core.handle
@@ -81,7 +56,7 @@ def test_a_call_with_check_on_takes_the_full_path() -> None:
 
 
 def test_small_gather_takes_the_single_call() -> None:
-    out = _run("""
+    out = run_on_fake("""
         out = memgather.gather(torch.ones(8))
         print(tuple(out.shape), dict(memgather.stats().by_route))
     """, {})
@@ -89,7 +64,7 @@ def test_small_gather_takes_the_single_call() -> None:
 
 
 def test_small_gather_inside_coalescing_is_left_to_torch() -> None:
-    out = _run("""
+    out = run_on_fake("""
         from torch.distributed.distributed_c10d import _coalescing_manager
         with _coalescing_manager(device=torch.device("cpu")):
             memgather.gather(torch.ones(8))
@@ -122,7 +97,7 @@ def test_small_cpu_calls_on_a_per_device_gloo_group_take_the_fast_path(tmp_path:
 
 
 def test_bench_overhead_times_each_variant_as_named() -> None:
-    out = _run("""
+    out = run_on_fake("""
         from memgather import overhead
         results = overhead.measure(calls=50, rounds=1)  # raises where a variant was or was not rewired against its name
         memgather.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4))
