@@ -189,7 +189,7 @@ def memory(library: str) -> Dict[str, Any]:
     Every piece of the result the path hands this rank is then checked against the input of
     the rank it came from ("checked": those ranks); "paths" names all of LIBRARY's paths.
     """
-    from memgather import rss  # only to read the high-water mark: the gather is the library's own
+    from memgather.tools import rss  # only to read the high-water mark: the gather is the library's own
 
     _join(library)
     paths = memory_paths(library)

@@ -33,10 +33,9 @@ import os
 import sys
 from typing import Any, Callable, Dict, Optional
 
+import job
 import torch
 import torch.distributed as dist
-
-import job
 
 _FABRIC: Optional[Any] = None  # the lightning.fabric Fabric that join() launched
 

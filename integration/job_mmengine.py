@@ -22,10 +22,9 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Dict, List
 
+import job
 import torch
 import torch.distributed as dist
-
-import job
 
 
 def join() -> None:

@@ -28,7 +28,7 @@ def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
     # the local one). Those with gradients call torch.distributed.nn.functional.all_gather,
     # an autograd Function whose forward fills empty_like slots through dist.all_gather
     # (its backward scatters: no all_gather). memgather attributes a gather inside a
-    # Function's forward to the code that applied the Function (memgather/callers.py):
+    # Function's forward to the code that applied the Function (memgather/patching/callers.py):
     # here open_clip.loss, whether or not Function.apply is Python code of its own (it is
     # up to torch 2.13; from 2.14, which this environment pins, it is torch's C function).
     big, small = 8, 16

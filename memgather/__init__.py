@@ -23,23 +23,23 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "all_gather": ("memgather.core", "all_gather"),
-    "gather": ("memgather.core", "gather"),
-    "patch": ("memgather.patcher", "patch"),
-    "unpatch": ("memgather.patcher", "unpatch"),
-    "is_patched": ("memgather.patcher", "is_patched"),
-    "disabled": ("memgather.scope", "disabled"),
-    "stats": ("memgather.counters", "stats"),
-    "reset_stats": ("memgather.counters", "reset_stats"),
-    "Stats": ("memgather.counters", "Stats"),
+    "all_gather": ("memgather.engine.core", "all_gather"),
+    "gather": ("memgather.engine.core", "gather"),
+    "patch": ("memgather.patching.patcher", "patch"),
+    "unpatch": ("memgather.patching.patcher", "unpatch"),
+    "is_patched": ("memgather.patching.patcher", "is_patched"),
+    "disabled": ("memgather.patching.scope", "disabled"),
+    "stats": ("memgather.engine.counters", "stats"),
+    "reset_stats": ("memgather.engine.counters", "reset_stats"),
+    "Stats": ("memgather.engine.counters", "Stats"),
     "primitive": ("memgather.compat", "single_tensor_primitive"),
     "Primitive": ("memgather.compat", "Primitive"),
     "UnevenShapesError": ("memgather.errors", "UnevenShapesError"),
     "VerifyError": ("memgather.errors", "VerifyError"),
-    "Reason": ("memgather.strategies", "Reason"),
-    "Strategy": ("memgather.strategies", "Strategy"),
-    "Target": ("memgather.targets", "Target"),
-    "TARGETS": ("memgather.targets", "BUILTIN"),
+    "Reason": ("memgather.engine.strategies", "Reason"),
+    "Strategy": ("memgather.engine.strategies", "Strategy"),
+    "Target": ("memgather.patching.targets", "Target"),
+    "TARGETS": ("memgather.patching.targets", "BUILTIN"),
 }
 
 __all__ = sorted(_EXPORTS)
@@ -62,11 +62,11 @@ def __dir__() -> list:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from memgather.compat import Primitive
     from memgather.compat import single_tensor_primitive as primitive
-    from memgather.core import all_gather, gather
+    from memgather.engine.core import all_gather, gather
+    from memgather.engine.counters import Stats, reset_stats, stats
+    from memgather.engine.strategies import Reason, Strategy
     from memgather.errors import UnevenShapesError, VerifyError
-    from memgather.patcher import is_patched, patch, unpatch
-    from memgather.scope import disabled
-    from memgather.counters import Stats, reset_stats, stats
-    from memgather.strategies import Reason, Strategy
-    from memgather.targets import BUILTIN as TARGETS
-    from memgather.targets import Target
+    from memgather.patching.patcher import is_patched, patch, unpatch
+    from memgather.patching.scope import disabled
+    from memgather.patching.targets import BUILTIN as TARGETS
+    from memgather.patching.targets import Target

@@ -1,5 +1,5 @@
 import sys
 
-from memgather.cli import main
+from memgather.tools.cli import main
 
 sys.exit(main())

@@ -10,7 +10,6 @@ import pytest
 
 from tests.pool import RankError, RankPool
 
-
 # Rewire gloo calls of every size (memgather leaves those under 2 MiB per rank to
 # torch by default): how tests reach the rewired paths with small tensors.
 EAGER = {"MEMGATHER_GLOO_MIN_BYTES": "0"}
@@ -56,7 +55,7 @@ import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 import memgather
-from memgather import core
+from memgather.engine import core
 exec(compile('import torch, torch.distributed as dist\\n'
              'def call(per_rank):\\n'
              '    t = torch.ones(per_rank // 4)\\n'

@@ -3,7 +3,7 @@
 ``python tests/exits_job.py`` is the ``plain`` job of ``python -m tests.exits``,
 run under torchrun (2 ranks). Each rank joins a gloo group from torchrun's
 environment, gathers 2 MiB per rank through each list-of-slots pattern of
-memgather's benchmark (``memgather.patterns``, module
+memgather's benchmark (``memgather.tools.patterns``, module
 ``memgather_bench_patterns``; memgather rewires them when ``MEMGATHER=1`` and
 ``MEMGATHER_TARGETS=memgather_bench_patterns``), checks every gathered piece,
 prints ``[exits-job rank R] done ...`` and returns **without calling**
@@ -36,7 +36,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from memgather import patterns
+    from memgather.tools import patterns
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # env:// from torchrun
@@ -86,7 +86,8 @@ def teardown_probe() -> None:
     import torch.distributed as dist
 
     import memgather
-    from memgather import groups, patterns
+    from memgather.engine import groups
+    from memgather.tools import patterns
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -6,12 +6,12 @@ gets fresh processes.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import queue as queues
 import signal
 import time
 from datetime import timedelta
-import multiprocessing as mp
-import queue as queues
 from typing import Any, Dict
 
 

@@ -2,7 +2,7 @@
 
 ``python -m torch.distributed.run --nnodes H --nproc_per_node P ... multihost_job.py OUT_DIR``:
 joins gloo, gathers ``MEMGATHER_JOB_MIB`` MiB per rank through every caller pattern of
-``memgather bench`` (memgather.patterns), and writes ``OUT_DIR/rank<R>.json``: per
+``memgather bench`` (memgather.tools.patterns), and writes ``OUT_DIR/rank<R>.json``: per
 pattern, the SHA-256 of what the caller holds, the peak RSS growth and the seconds the
 gather took (the slowest rank's, after a barrier; the median of ``MEMGATHER_JOB_REPEAT``
 calls). Nothing here patches: MEMGATHER=1
@@ -69,7 +69,7 @@ def _measure(gather: Any, tensor: torch.Tensor, repeat: int, rss: Any) -> Dict[s
 
 
 def main() -> None:
-    from memgather import patterns, rss
+    from memgather.tools import patterns, rss
 
     out_dir = sys.argv[1]
     torch.set_num_threads(1)

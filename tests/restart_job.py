@@ -2,7 +2,7 @@
 
 Nothing here patches: MEMGATHER=1 through memgather's .pth decides, as in a
 user's job. Every gather goes through a caller pattern of ``memgather bench``
-(memgather.patterns, a target when MEMGATHER_TARGETS=memgather_bench_patterns),
+(memgather.tools.patterns, a target when MEMGATHER_TARGETS=memgather_bench_patterns),
 4 MiB per rank so that gloo calls are rewired at memgather's default threshold.
 Each rank's input is a known function of (rank, phase, call), so every rank can
 compute what the gather must give.
@@ -68,7 +68,7 @@ def digest(value: Any) -> str:
 
 def gather_all(names: List[str], rank: int, world: int, phase: int) -> List[Dict[str, Any]]:
     """Each pattern's gather, and whether what the caller holds is every rank's input."""
-    from memgather import patterns
+    from memgather.tools import patterns
 
     module = patterns.load()
     results = []
@@ -81,14 +81,14 @@ def gather_all(names: List[str], rank: int, world: int, phase: int) -> List[Dict
 def memgather_state() -> Dict[str, Any]:
     """Whether memgather is on in this process, how it got there, its counters and its group cache."""
     import memgather
-    from memgather import groups
+    from memgather.engine import groups
 
     stats = memgather.stats()
     world = dist.group.WORLD if dist.is_initialized() else None
     entries = [(ref(), info) for ref, info in groups._known.values()]
     return {
         "patched": memgather.is_patched(),
-        "through_pth": "memgather._autoload" in sys.modules,  # the .pth's hook, not the job, patched
+        "through_pth": "memgather.patching.autoload" in sys.modules,  # the .pth's hook, not the job, patched
         "wrapper": type(dist.all_gather).__name__,
         "calls": stats.calls,
         "rewired": stats.rewired,

@@ -14,7 +14,8 @@ from typing import List
 
 import pytest
 
-from memgather import bench, pages, route_times
+from memgather.engine import pages
+from memgather.tools import bench, route_times
 from tests.jobs import environment
 
 ROOT = Path(__file__).resolve().parent.parent

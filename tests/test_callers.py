@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from memgather import callers
+from memgather.patching import callers
 from tests.sites import names
 
 

@@ -107,7 +107,7 @@ def patch_races_gathers(ctx: Any, calls: int) -> Dict[str, Any]:
     memgather.unpatch()
     consistent = dist.all_gather is dist.distributed_c10d.all_gather and not memgather.is_patched()
     return {"problems": problems, "consistent": consistent,
-            "original_restored": dist.all_gather is memgather.core.original_all_gather()}
+            "original_restored": dist.all_gather is memgather.engine.core.original_all_gather()}
 
 
 def compiled_gather(ctx: Any, backend: str) -> Dict[str, Any]:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import memgather
-from memgather import compat, rss
+from memgather import compat
+from memgather.tools import rss
 from tests.conftest import EAGER, unwrap
 from tests.ranks import as_bytes, call_each, filled, group_for, make_input, storage_bytes
 from tests.releases import EMPTY_KILLS_GLOO, gloo_gathers_empty_tensors

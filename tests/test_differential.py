@@ -16,8 +16,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from memgather import compat, routes
-from memgather.routes import BROADCAST_MIN_BYTES_PER_RANK
+from memgather import compat
+from memgather.engine import routes
+from memgather.engine.routes import BROADCAST_MIN_BYTES_PER_RANK
 from tests.conftest import EAGER, unwrap
 from tests.ranks import differential
 from tests.releases import EMPTY_KILLS_GLOO, gloo_gathers_empty_tensors

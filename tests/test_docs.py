@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 from functools import lru_cache
+from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
 import pytest
@@ -65,10 +65,10 @@ def _read_variables() -> Dict[str, str]:
     ``os.environ["X"]``, and ``name in os.environ for name in ("X", ...)``.
     """
     found: Dict[str, str] = {}
-    for module in sorted((ROOT / "memgather").glob("*.py")):
+    for module in sorted((ROOT / "memgather").rglob("*.py")):
         for node in ast.walk(ast.parse(module.read_text())):
             for name in _names_read(node):
-                found.setdefault(name, module.name)
+                found.setdefault(name, module.relative_to(ROOT / "memgather").as_posix())
     return found
 
 

@@ -179,7 +179,7 @@ def test_bench_digest_needs_no_numpy() -> None:
     """The main job's venv has torch alone; torch's .numpy() would fail there."""
     script = ("import sys; sys.modules['numpy'] = None\n"
               "import hashlib, torch\n"
-              "from memgather import bench\n"
+              "from memgather.tools import bench\n"
               "parts = [torch.arange(6.0).reshape(2, 3).t(), torch.tensor(7, dtype=torch.int16), torch.empty(0)]\n"
               "want = hashlib.sha256(b''.join(bytes(p.contiguous().reshape(-1).view(torch.uint8).tolist()) for p in parts))\n"
               "assert bench.digest(parts) == want.hexdigest()\n"

@@ -122,7 +122,8 @@ def released_when_returned(ctx: Any) -> Dict[str, int]:
     """memgather's own collectives, called many times: how often gloo still held their tensors on return."""
     import torch
 
-    from memgather import agreement, compat, core, verification
+    from memgather import compat
+    from memgather.engine import agreement, core, verification
 
     held = {"agreement": 0, "verify": 0}
     original = core.original_all_gather()

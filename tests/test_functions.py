@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import memgather
-from memgather import callers
+from memgather.patching import callers
 from tests.conftest import EAGER, unwrap
 
 SITES = Path(__file__).resolve().parent / "sites"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memgather
-from memgather import rss
+from memgather.tools import rss
 from tests.conftest import EAGER, unwrap
 from tests.ranks import filled
 

@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import run_on_fake
 
+
 def test_a_small_call_from_a_target_reaches_torch_from_the_wrapper() -> None:
     out = run_on_fake("""
         memgather.patch(["user_code"])
@@ -79,7 +80,7 @@ def test_small_cpu_calls_on_a_per_device_gloo_group_take_the_fast_path(tmp_path:
         import torch, torch.distributed as dist
         dist.init_process_group("cpu:gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
         import memgather
-        from memgather import core
+        from memgather.engine import core
         exec(compile('import torch, torch.distributed as dist\\n'
                      'def call(t): dist.all_gather([torch.empty_like(t)], t)\\n', '<user>', 'exec'),
              user := {{'__name__': 'user_code'}})
@@ -98,7 +99,7 @@ def test_small_cpu_calls_on_a_per_device_gloo_group_take_the_fast_path(tmp_path:
 
 def test_bench_overhead_times_each_variant_as_named() -> None:
     out = run_on_fake("""
-        from memgather import overhead
+        from memgather.tools import overhead
         results = overhead.measure(calls=50, rounds=1)  # raises where a variant was or was not rewired against its name
         memgather.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4))
         assert dict(memgather.stats().fallbacks) == {"below_threshold": 1}, "measure() left its threshold behind"

@@ -10,7 +10,7 @@ from typing import Optional
 import pytest
 import torch
 
-from memgather import pages
+from memgather.engine import pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import wrapt
 
 import memgather
-from memgather import compat, patcher
+from memgather import compat
+from memgather.patching import patcher
 from tests.conftest import EAGER, unwrap
 from tests.ranks import filled
 from tests.sites.audited_calls import elided_sites
@@ -188,7 +189,7 @@ def settings_after_patch(ctx: Any) -> dict:
 
     import torch
 
-    from memgather import core
+    from memgather.engine import core
 
     def small_call() -> dict:
         memgather.reset_stats()

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memgather.strategies import plan
+from memgather.engine.strategies import plan
 
 LAYOUTS = [
     "fresh", "adjacent", "adjacent_input_own", "adjacent_input_other", "reversed_adjacent", "gapped",

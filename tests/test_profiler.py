@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import memgather
-from memgather.core import PROFILER_RANGE
+from memgather.engine.core import PROFILER_RANGE
 from tests.conftest import EAGER, unwrap
 
 

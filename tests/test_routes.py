@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from memgather import routes
+from memgather.engine import routes
 from tests.conftest import unwrap
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -95,7 +95,8 @@ def flavour_of_world(ctx: Any) -> List[Any]:
     """A real gloo group: its _get_backend(cuda) raises, and describe() records no flavour."""
     import torch.distributed as dist
 
-    from memgather import compat, groups
+    from memgather import compat
+    from memgather.engine import groups
 
     return [compat.nccl_flavour(dist.GroupMember.WORLD), groups.describe(None).nccl]
 
@@ -150,9 +151,9 @@ def test_host_key_is_the_same_for_processes_of_one_host_and_a_non_negative_int64
     import subprocess
     import sys
 
-    from memgather import hosts
+    from memgather.engine import hosts
 
-    code = "from memgather import hosts; print(hosts.key())"
+    code = "from memgather.engine import hosts; print(hosts.key())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert int(other.stdout) == hosts.key()
     assert 0 <= hosts.key() < 1 << 63
@@ -161,7 +162,8 @@ def test_host_key_is_the_same_for_processes_of_one_host_and_a_non_negative_int64
 def host_routes(ctx: Any, keys: List[int], setting: str) -> Dict[str, Any]:
     """Rank r pretends to run on host keys[r]; one 4 MiB gather, and the routes it took."""
     import memgather
-    from memgather import config, core, hosts
+    from memgather import config
+    from memgather.engine import core, hosts
 
     saved = hosts._key
     hosts._key = keys[ctx.rank]
@@ -192,7 +194,8 @@ def test_every_rank_takes_the_route_the_host_keys_call_for(pools: Any, keys: Lis
 def mixed_routes(ctx: Any) -> Dict[str, Any]:
     """Rank 0 is set to the ring, the others to the broadcasts: they must not meet on two protocols."""
     import memgather
-    from memgather import config, core
+    from memgather import config
+    from memgather.engine import core
 
     core.configure(config.Settings(gloo_route="ring" if ctx.rank == 0 else "broadcast"))
     try:

@@ -8,7 +8,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from memgather import rss
+    from memgather.tools import rss
 
     def peak_growth_of_a_temporary():
         # Like a list gather and its cat: two 4 MiB blocks, then one of 8 MiB while one lives.

@@ -14,7 +14,7 @@ from typing import Dict, List
 
 import pytest
 
-from memgather import patterns
+from memgather.tools import patterns
 from tests.jobs import environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +76,8 @@ def test_a_wrong_byte_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
         import sys
         import torch
         import torch.distributed as dist
-        from memgather import routes, selftest
+        from memgather.engine import routes
+        from memgather.tools import selftest
 
         real = routes.broadcast_into
 

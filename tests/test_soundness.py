@@ -276,7 +276,7 @@ def test_first_import_inside_inference_mode() -> None:
     import subprocess
     import sys
 
-    code = "import torch\nwith torch.inference_mode():\n    import memgather.core, memgather.elision\nprint('ok')"
+    code = "import torch\nwith torch.inference_mode():\n    import memgather.engine.core, memgather.engine.elision\nprint('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from memgather import audits, targets
+from memgather.patching import audits, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -10,8 +10,8 @@ from typing import Iterator, Optional
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from memgather import audits, targets
-from memgather.targets import Target
+from memgather.patching import audits, targets
+from memgather.patching.targets import Target
 
 
 @pytest.fixture()
@@ -148,7 +148,7 @@ def test_match_by_module_prefix(module: str, expected: str) -> None:
 def test_every_caller_but_memgather_itself() -> None:
     every = targets.select(["*"])
     assert every.match("anything.at.all").name == "*"
-    assert every.match("memgather.core") is None
+    assert every.match("memgather.engine.core") is None
 
 
 def test_default_selection_is_every_builtin() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import memgather
-from memgather import verification
+from memgather.engine import verification
 from tests.conftest import EAGER, unwrap
 from tests.ranks import filled
 from tests.test_entry_points import PYTHON, _run
@@ -130,7 +130,7 @@ def verified_calls(ctx: Any, shape: Tuple[int, ...]) -> Dict[str, Any]:
 def verify_catches(ctx: Any, shape: Tuple[int, ...], async_op: bool, corrupt_rank: int) -> Dict[str, Any]:
     """A route made to write one wrong element on ``corrupt_rank``: verify mode must
     raise VerifyError on every rank. Fault injection: the real route runs first."""
-    from memgather import routes
+    from memgather.engine import routes
 
     real_run, real_broadcast = routes.run, routes.broadcast_into
 

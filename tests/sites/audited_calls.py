@@ -18,8 +18,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 import memgather
-from memgather import audits, core, targets
-from memgather.elision import ElidableSlot
+from memgather.engine import core
+from memgather.engine.elision import ElidableSlot
+from memgather.patching import audits, targets
 from tests.sites import target_caller
 
 HERE = Path(__file__).resolve().parent

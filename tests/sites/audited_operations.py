@@ -13,7 +13,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from memgather.elision import ElidableSlot
+from memgather.engine.elision import ElidableSlot
 
 ARMED: List[bool] = []
 

@@ -60,7 +60,7 @@ def growth(rank: int, world: int, mib: int, rewired, unpatched) -> dict:
     import torch.distributed as dist
 
     import memgather
-    from memgather import rss
+    from memgather.tools import rss
 
     t = torch.rand(mib << 18, generator=torch.Generator().manual_seed(rank))
     gathered = world * t.numel() * t.element_size()

@@ -1,9 +1,8 @@
 """A job as torchrun runs it: RANK/WORLD_SIZE from the environment, gloo, no memgather code."""
 
+import mgtarget
 import torch
 import torch.distributed as dist
-
-import mgtarget
 
 dist.init_process_group("gloo")
 slots = mgtarget.gather(torch.full((1 << 20,), float(dist.get_rank())))  # 4 MiB: rewired on gloo

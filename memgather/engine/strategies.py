@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from memgather import compat, elision
+from memgather import compat
+from memgather.engine import elision
 
 
 class Strategy(str, enum.Enum):

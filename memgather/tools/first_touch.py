@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from memgather import bench, pages, rss
+from memgather.engine import pages
+from memgather.tools import bench, rss
 
 VARIANTS = ("plain", "advised")
 DEFAULT_SIZES = (32 << 20,)

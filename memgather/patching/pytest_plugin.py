@@ -25,7 +25,7 @@ def pytest_addoption(parser: Any) -> None:
 def pytest_configure(config: Any) -> None:
     if not config.getoption("memgather"):
         return
-    from memgather import patcher
+    from memgather.patching import patcher
 
     raw = config.getoption("memgather_targets")
     chosen = [t for t in raw.split(",") if t.strip()] if raw else None
@@ -36,7 +36,7 @@ def pytest_configure(config: Any) -> None:
 
 def pytest_unconfigure(config: Any) -> None:
     if getattr(config, "_memgather_patched", False):
-        from memgather import patcher
+        from memgather.patching import patcher
 
         patcher.unpatch()
 

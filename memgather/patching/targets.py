@@ -4,7 +4,7 @@ A target is a library (or any module prefix a user names) whose calls to
 ``torch.distributed.all_gather`` memgather may rewire. Built-in targets carry
 the distribution whose installed version must fall in a tested range; that
 version is read from distribution metadata, never by importing the library
-(``memgather.releases``).
+(``memgather.patching.releases``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from memgather import releases
-from memgather.releases import Verdict
+from memgather.patching import releases
+from memgather.patching.releases import Verdict
 
 _log = logging.getLogger("memgather")
 
@@ -31,7 +31,7 @@ class Target:
     distribution and the PEP 440 range it must satisfy (prereleases allowed);
     None/"" for no gate. ``note``: what its gather code does with the slots.
     Whether cat elision is on by default is decided per call site, not per
-    target (``memgather.audits``).
+    target (``memgather.patching.audits``).
     """
 
     name: str
@@ -152,7 +152,7 @@ def _gate(target: Target, force: bool, imported: bool) -> Verdict:
 
 
 def gate(target: Target, force: bool = False) -> Verdict:
-    """Check ``target``'s installed version against its range (cached; see ``memgather.releases``).
+    """Check ``target``'s installed version against its range (cached; see ``memgather.patching.releases``).
 
     Cached apart for before and after the target is imported: only then can a
     module without distribution metadata show its ``__version__``.

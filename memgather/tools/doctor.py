@@ -21,7 +21,8 @@ def report() -> "tuple[List[str], bool]":
     import torch
     import torch.distributed as dist
 
-    from memgather import compat, config, targets
+    from memgather import compat, config
+    from memgather.patching import targets
 
     primitive = compat.single_tensor_primitive()
     lines = [f"python {sys.version.split()[0]} at {sys.executable}", f"torch {torch.__version__}"]
@@ -55,7 +56,8 @@ def report() -> "tuple[List[str], bool]":
 def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None,
                   nccl_min_bytes: Optional[int] = None) -> Dict[str, str]:
     """What memgather does with a call on each backend, on this torch (see routes.choose)."""
-    from memgather import compat, routes
+    from memgather import compat
+    from memgather.engine import routes
 
     if primitive is None:
         return {name: "every call stays with torch (no single-tensor all-gather)" for name in ("gloo", "nccl", "mpi", "ucc")}
@@ -77,7 +79,8 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
     """What memgather does on each NCCL flavour, and which one "nccl" is here (see compat.nccl_flavour)."""
     import torch
 
-    from memgather import compat, routes
+    from memgather import compat
+    from memgather.engine import routes
 
     setting = os.environ.get("TORCH_DIST_USE_NCCL2")
     threshold = _size(routes.nccl_threshold(nccl_min_bytes))
@@ -92,7 +95,7 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
 
 def elision_lines(elide: Optional[bool]) -> List[str]:
     """Where cat elision is on: the setting, then each audited call site, its range and verdict here."""
-    from memgather import audits
+    from memgather.patching import audits
 
     if elide is None:
         lines = ["cat elision (MEMGATHER_ELIDE unset): on only at audited call sites, in the releases read:"]

@@ -44,7 +44,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from memgather import compat, counters, slots as _slots
+from memgather import compat
+from memgather.engine import counters
+from memgather.engine import slots as _slots
 
 _GROUP = "_memgather_elision"
 _CONCATS = (torch.cat, torch.concat, torch.concatenate)

@@ -15,8 +15,8 @@ from functools import lru_cache
 from types import FrameType
 from typing import Dict, Optional, Tuple
 
-from memgather import callers, releases
-from memgather.releases import Verdict
+from memgather.patching import callers, releases
+from memgather.patching.releases import Verdict
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def site_of(frame: FrameType) -> Optional[AuditedSite]:
 
 def covers(site: AuditedSite) -> Verdict:
     """Whether the installed release of the site's distribution is one the audit covers (cached,
-    apart for before and after its module is imported; see ``memgather.releases``)."""
+    apart for before and after its module is imported; see ``memgather.patching.releases``)."""
     return _covers(site, releases.imported(site.module))
 
 

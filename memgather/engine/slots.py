@@ -11,7 +11,8 @@ from typing import List, Tuple
 
 import torch
 
-from memgather import compat, pages
+from memgather import compat
+from memgather.engine import pages
 
 
 def flat_shape(shape: torch.Size, world: int) -> Tuple[int, ...]:

@@ -18,8 +18,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from memgather import agreement, callers, compat
+from memgather import compat
+from memgather.engine import agreement
 from memgather.errors import VerifyError
+from memgather.patching import callers
 
 _NONE = -1
 

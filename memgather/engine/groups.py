@@ -17,7 +17,8 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-from memgather import compat, report
+from memgather import compat
+from memgather.engine import report
 
 
 class GroupInfo(NamedTuple):

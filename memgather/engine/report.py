@@ -44,7 +44,7 @@ def _report() -> None:
     # A process that never joined a group (a launcher, say) is not a rank: no line.
     if _mode == "off" or rank is None or (_mode == "rank0" and rank != 0):
         return
-    from memgather.counters import stats
+    from memgather.engine.counters import stats
 
     # Written, not logged: the user asked for this report by setting MEMGATHER_REPORT.
     sys.stderr.write(f"[memgather rank {rank}] {stats()}\n")

@@ -51,7 +51,7 @@ def measure(calls: int = 20000, rounds: int = 7) -> Dict[str, float]:
     import wrapt
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from memgather import core
+    from memgather.engine import core
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -163,7 +163,7 @@ def _environment(name: str, value: str) -> Iterator[None]:
 # What user code does: dist.all_gather looked up at call time, so every variant
 # is reached through the same caller. It is compiled into a namespace of its own
 # because memgather's frames are skipped when looking for the caller: inside
-# memgather.overhead it would never count as user code.
+# memgather.tools.overhead it would never count as user code.
 _USER_CODE = """
 import warnings
 

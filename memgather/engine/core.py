@@ -16,8 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from memgather import agreement, compat, config, counters, elision, pages, planner, routes, slots, verification
-from memgather.strategies import DIRECT, REBIND, Plan, Reason, fallback
+from memgather import compat, config
+from memgather.engine import agreement, counters, elision, pages, planner, routes, slots, verification
+from memgather.engine.strategies import DIRECT, REBIND, Plan, Reason, fallback
 
 _log = logging.getLogger("memgather")
 
@@ -74,10 +75,10 @@ def all_gather(
     while the slots are even. ``elide`` (default: ``MEMGATHER_ELIDE``, else
     off) lets a following ``torch.cat(tensor_list)`` / ``torch.stack`` return
     the gathered buffer itself instead of a copy: only for code that drops
-    the list after concatenating it (see ``memgather.elision``). ``verify``
+    the list after concatenating it (see ``memgather.engine.elision``). ``verify``
     (default: ``MEMGATHER_VERIFY``) runs the original again for every rewired
     call and raises ``VerifyError`` on every rank if the results differ (see
-    ``memgather.verification``: for test runs).
+    ``memgather.engine.verification``: for test runs).
     """
     call = ((tensor_list, tensor), {"group": group, "async_op": async_op})
     return _handle(call, tensor_list, tensor, group, async_op, check, elide, verify)

@@ -5,7 +5,7 @@ gather, so the ranks of a group need to know whether they share one host. No
 launcher tells it alike (torchrun's ``GROUP_WORLD_SIZE`` counts nodes of the
 whole job, not of one group; Slurm, MPI and DeepSpeed's launcher say other
 things, or nothing), so each rank puts this key in the agreement row
-(``memgather.agreement``) and every rank reads the same answer from the same
+(``memgather.engine.agreement``) and every rank reads the same answer from the same
 table.
 
 The key is the kernel's boot id with the inode of the network namespace:

@@ -4,7 +4,7 @@ Each rank contributes a row of int64 metadata: whether its own plan rewires
 and which in-place route it is set to take (the broadcasts and the ring are
 different wire protocols: every rank must take the same one), whether its
 slots are even (all shaped like its input), the key of the host it runs on
-(``memgather.hosts``), its input's dtype and shape. Every rank then reads the
+(``memgather.engine.hosts``), its input's dtype and shape. Every rank then reads the
 same table and reaches the same verdict, so either all ranks take the
 rewired path or none does, all of them by the same route, and an uneven
 gather is reported on every rank instead of hanging or returning garbage.
@@ -16,9 +16,10 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from memgather import compat, hosts
+from memgather import compat
+from memgather.engine import hosts
+from memgather.engine.strategies import Reason
 from memgather.errors import UnevenShapesError
-from memgather.strategies import Reason
 
 _MAX_DIMS = 8
 _HEADER = 5  # route setting (0: falls back), even, host key, dtype code, ndim

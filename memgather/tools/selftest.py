@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from memgather import bench, patterns, rss
+from memgather.tools import bench, patterns, rss
 
 # Per rank. Below gloo's 2 MiB threshold a call goes to torch: the first size shows that path.
 CPU_SIZES = (64 << 10, 4 << 20, 32 << 20)

@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence
 
-from memgather import bench
+from memgather.tools import bench
 
 ROUTES = ("single", "broadcast")
 DEFAULT_SIZES = (4 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -141,7 +141,8 @@ def _rank(rank: int, world: int, port: int, backend: str, sizes: Sequence[int], 
 
 def _gathers(flat: Any, world: int) -> Dict[str, Callable[[Any], None]]:
     """Each route as a call that gathers every rank's tensor into ``flat``."""
-    from memgather import agreement, compat, core, routes
+    from memgather import compat
+    from memgather.engine import agreement, core, routes
 
     primitive = compat.single_tensor_primitive().function
     destinations = list(flat.view(world, -1).unbind(0))

@@ -23,7 +23,7 @@ Three routes exist:
 
 Gloo threshold. Broadcasts are taken from 2 MiB per rank; they save the
 gathered size in memory. ``memgather bench --routes`` (``--world-size 4``
-for four ranks; ``memgather.route_times``) prints the median time per gather
+for four ranks; ``memgather.tools.route_times``) prints the median time per gather
 of each route at each size ("broadcast" includes the agreement round) and
 the size from which broadcast is faster. Below it memgather leaves gloo
 calls to torch: gloo stages the single call through a temporary just as it
@@ -50,7 +50,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from memgather import compat, groups, pages, slots
+from memgather import compat
+from memgather.engine import groups, pages, slots
 
 BROADCAST_MIN_BYTES_PER_RANK = 2 << 20
 NCCL_MIN_BYTES_PER_RANK = 1 << 20

@@ -24,18 +24,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     if args[:1] == ["bench"]:  # bench and selftest own their options
-        from memgather import bench
+        from memgather.tools import bench
 
         return bench.main(args[1:])
     if args[:1] == ["selftest"]:
-        from memgather import selftest
+        from memgather.tools import selftest
 
         return selftest.main(args[1:])
     parsed = parser.parse_args(args)
     if parsed.command == "run":
         return _run(parsed)
     if parsed.command == "doctor":
-        from memgather import doctor
+        from memgather.tools import doctor
 
         return doctor.main()
     parser.print_help()

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
-from memgather import compat, config, elision, groups, routes
-from memgather.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback, fill_in_slots, plan
+from memgather import compat, config
+from memgather.engine import elision, groups, routes
+from memgather.engine.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback, fill_in_slots, plan
 
 _gloo_min_bytes: Optional[int] = None
 _nccl_min_bytes: Optional[int] = None

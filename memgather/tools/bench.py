@@ -1,6 +1,6 @@
 """``memgather bench``: each caller pattern, unpatched vs under memgather, measured.
 
-For every pattern (see ``memgather.patterns``) and each mode, ``--world-size``
+For every pattern (see ``memgather.tools.patterns``) and each mode, ``--world-size``
 fresh processes join a process group (gloo on CPU; NCCL when CUDA is there
 for every rank), gather the same data ``--repeat`` times and report peak
 memory and time. Peak memory counts the input plus what the gather adds,
@@ -12,9 +12,9 @@ through bare collectives alone, measured once per invocation in fresh processes
 of its own, and memgather's time as a multiple of it.
 
 Instead of the patterns, one option measures one figure the README and docs/ give:
-``--overhead`` (``memgather.overhead``), ``--routes`` (``memgather.route_times``,
-rank processes started here), ``--startup`` (``memgather.startup``) and
-``--first-touch`` (``memgather.first_touch``).
+``--overhead`` (``memgather.tools.overhead``), ``--routes`` (``memgather.tools.route_times``,
+rank processes started here), ``--startup`` (``memgather.tools.startup``) and
+``--first-touch`` (``memgather.tools.first_touch``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from memgather import patterns, rss
+from memgather.tools import patterns, rss
 
 SEED_SHAPE = (64, 224, 224, 64)
 DEFAULT_SHAPE = (16, 224, 224, 16)  # 49 MiB of float32 per rank: about a minute in all on 2 cores
@@ -54,7 +54,7 @@ class RankResult:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.overhead:
-        from memgather import overhead
+        from memgather.tools import overhead
 
         print(overhead.table(overhead.measure()))
         return 0
@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from memgather import first_touch, route_times  # they import this module
+    from memgather.tools import first_touch, route_times  # they import this module
 
     parser = argparse.ArgumentParser(
         prog="memgather bench",
@@ -157,8 +157,8 @@ def _positive(text: str) -> int:
 
 
 def _routes(args: argparse.Namespace) -> int:
-    """``--routes``: the single vs broadcast table (memgather.route_times)."""
-    from memgather import route_times
+    """``--routes``: the single vs broadcast table (memgather.tools.route_times)."""
+    from memgather.tools import route_times
 
     if args.backend == "nccl":
         return _usage_error(ValueError("--routes times gloo's routes; NCCL has one route (single, in place)"))
@@ -182,8 +182,8 @@ def _routes(args: argparse.Namespace) -> int:
 
 
 def _startup(args: argparse.Namespace) -> int:
-    """``--startup``: memgather.pth's cost at interpreter start-up (memgather.startup)."""
-    from memgather import startup
+    """``--startup``: memgather.pth's cost at interpreter start-up (memgather.tools.startup)."""
+    from memgather.tools import startup
 
     reason = startup.usable()
     if reason:
@@ -193,8 +193,8 @@ def _startup(args: argparse.Namespace) -> int:
 
 
 def _first_touch(args: argparse.Namespace) -> int:
-    """``--first-touch``: a fresh buffer's first fill with and without huge-page advice (memgather.first_touch)."""
-    from memgather import first_touch
+    """``--first-touch``: a fresh buffer's first fill with and without huge-page advice (memgather.tools.first_touch)."""
+    from memgather.tools import first_touch
 
     try:
         sizes = _sizes(args.sizes, first_touch.DEFAULT_SIZES, first_touch.check_sizes)
@@ -434,12 +434,11 @@ def _measure_floor(rank: int, world: int, port: int, backend: str, shape: Tuple[
     transport. Timed as the patterns are (``calls_per_sample``, ``timed``), each after
     one checked call.
     """
-    from memgather import compat
-
     import torch
     import torch.distributed as dist
 
     import memgather
+    from memgather import compat
 
     device = join(rank, world, port, backend)
     memgather.unpatch()  # bare collectives, also where MEMGATHER=1 patched this process at start-up

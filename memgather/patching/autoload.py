@@ -18,7 +18,7 @@ import wrapt
 
 def _patch(module: ModuleType) -> None:
     try:
-        from memgather.patcher import patch
+        from memgather.patching.patcher import patch
 
         patch()
     except Exception:  # noqa: BLE001 - never break the user's import of torch

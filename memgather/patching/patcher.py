@@ -6,7 +6,7 @@ calls) and on ``all_gather`` names that already-imported target modules took
 with ``from torch.distributed import all_gather``. Per call it asks three
 cheap questions (patched? opted out? compiling?) and one cached one (is the
 caller a selected target whose version gate passed?), then hands the call to
-``memgather.core`` or to the function it wraps.
+``memgather.engine.core`` or to the function it wraps.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch.distributed as dist
 import wrapt
 
-from memgather import audits, callers, compat, config, core, elision, report, scope
-from memgather import targets as registry
+from memgather import compat, config
+from memgather.engine import core, elision, report
+from memgather.patching import audits, callers, scope
+from memgather.patching import targets as registry
 
 _log = logging.getLogger("memgather")
 
