@@ -66,8 +66,10 @@ def test_gather_equals_cat_of_all_gather(pools: Any, shape: Any, dtype: str, sub
             assert result["equal"]
             # Small gathers take torch's single-tensor call where gloo has one (else torch's
             # list call, which records no route); big ones the broadcasts.
-            small = {"single": 1} if compat.gloo_has_single_tensor() else {}
+            small = {"single_staged": 1} if compat.gloo_has_single_tensor() else {}
             assert result["routes"] == ({"broadcast": 1} if shape == (BIG,) else small), result
+            if small and shape != (BIG,):  # torch's single-tensor call into gather's own result
+                assert result["strategies"] == {"into_result": 1}, result
         else:
             assert "not a member" in result["message"]
 
@@ -208,7 +210,7 @@ def gather_result(ctx: Any, shape: Tuple[int, ...], dtype_name: str, subgroup: O
     if ref_raised:
         return {"member": True, "raised": [ref_raised, None]}
     return {"member": True, "shape": list(got.shape), "want_shape": list(want.shape), "equal": as_bytes(got) == as_bytes(want),
-            "routes": dict(memgather.stats().by_route)}
+            "routes": dict(memgather.stats().by_route), "strategies": dict(memgather.stats().by_strategy)}
 
 
 def async_work(ctx: Any, numel: int) -> Dict[str, Any]:

@@ -88,14 +88,14 @@ def expected(case: Dict[str, Any], member: bool, threshold: int, in_place: str =
         return _fallback("empty")
     if in_place == "ring" and getattr(torch, case["dtype"]) not in routes.RING_DTYPES:
         in_place = "broadcast"  # what gloo's collectives refuse on some release keeps their errors
-    route = "single" if case["async"] else in_place
+    route = "single_staged" if case["async"] else in_place
     size = len(case["group"]) if case["group"] else case["world"]
     permuted = case["layout"] == "permuted" and sum(d > 1 for d in case["shape"]) > 1
     if case["slots"] not in FRESH:
         return {"strategy": "direct", "route": route}
     if size == 1 and not permuted:  # one fresh slot is trivially a region of its own
         return {"strategy": "direct", "route": route}
-    if route != "single":  # broadcasts and the ring fill the caller's slots where they lie
+    if route != "single_staged":  # broadcasts and the ring fill the caller's slots where they lie
         return _fallback("slot_not_contiguous") if permuted else {"strategy": "in_slots", "route": route}
     if not compat.can_prove_exclusive():
         return _fallback("cannot_prove_exclusive")

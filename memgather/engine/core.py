@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from memgather import compat, config
 from memgather.engine import agreement, counters, elision, pages, planner, routes, slots, verification
-from memgather.engine.strategies import DIRECT, REBIND, Plan, Reason, fallback
+from memgather.engine.strategies import DIRECT, REBIND, Plan, Reason, Strategy, fallback
 
 _log = logging.getLogger("memgather")
 
@@ -86,7 +86,7 @@ def all_gather(
 
 def handle(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool, elide: bool, verify: bool) -> Any:
     """``all_gather`` for a call as the wrapper received it, whose arguments bind to torch's
-    signature (``at_once`` made sure): where it falls back, torch gets the caller's own call,
+    signature (``torch_at_once`` made sure): where it falls back, torch gets the caller's own call,
     positional arguments and keywords as they were (torch's exception logging reads them)."""
     count = len(args)
     tensor_list = args[0] if count else kwargs["tensor_list"]
@@ -104,7 +104,7 @@ def _handle(call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bo
             elide: Optional[bool], verify: Optional[bool]) -> Any:
     check = _settings.check if check is None else check
     if not check:
-        reason = planner.at_once(tensor_list, tensor, group)
+        reason = planner.quick_reason(tensor_list, tensor, group)
         if reason is not None:
             return to_torch(reason, *call)
     elide = bool(_settings.elide) if elide is None else elide
@@ -147,8 +147,9 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
     if not (_settings.check if check is None else check) and planner.small_single(out, tensor, group):
         # Below the threshold torch's single-tensor call is the cheapest way, and there
         # are no caller's slots to honour: the same call the hand-fixed code makes.
-        counters.record(DIRECT.strategy.value, route=routes.SINGLE_STAGED.name)
-        routes.run(routes.SINGLE_STAGED, out, tensor, group, False)
+        route = routes.SINGLE_STAGED if tensor.is_cpu else routes.SINGLE_IN_PLACE
+        counters.record(Strategy.INTO_RESULT.value, route=route.name)
+        routes.run(route, out, tensor, group, False)
         return out
     pages.advise(out)
     all_gather(slots.views(out, world, tensor.shape), tensor, group, check=check)
@@ -185,12 +186,12 @@ def _route_code(route: Optional[routes.Route]) -> int:
 _PARAMETERS = ("tensor_list", "tensor", "group", "async_op")
 
 
-def at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool) -> Optional[Reason]:
+def torch_at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool) -> Optional[Reason]:
     """Why a call, as its caller wrote it, certainly goes to torch; None where it takes ``all_gather``.
 
     For the wrapper: arguments torch's signature does not take get torch's own
     TypeError (``all_gather`` has keywords of its own, and would word it
-    otherwise); without ``check``, ``_torchs_at_once`` is asked too, so that a
+    otherwise); without ``check``, ``planner.quick_reason`` is asked too, so that a
     call going to torch anyway does not pay for building ``all_gather``'s keywords.
     """
     count = len(args)
@@ -198,9 +199,9 @@ def at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool) -> Optio
         return Reason.BAD_ARGUMENTS
     if check:
         return None
-    return planner.at_once(args[0] if count else kwargs.get("tensor_list"),
-                           args[1] if count > 1 else kwargs.get("tensor"),
-                           args[2] if count > 2 else kwargs.get("group"))
+    return planner.quick_reason(args[0] if count else kwargs.get("tensor_list"),
+                                args[1] if count > 1 else kwargs.get("tensor"),
+                                args[2] if count > 2 else kwargs.get("group"))
 
 
 def _binds(count: int, kwargs: Dict[str, Any]) -> bool:

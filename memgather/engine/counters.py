@@ -22,8 +22,9 @@ class Stats:
     """A snapshot of this process's counters since start or ``reset_stats()``.
 
     ``by_strategy`` counts calls per strategy ("direct", "rebind",
-    "fallback"), ``by_route`` rewired calls per collective ("single",
-    "broadcast"), ``fallbacks`` fallback calls per reason, ``elided``
+    "in_slots", "into_result", "fallback"), ``by_route`` rewired calls per
+    collective ("single_staged", "single_in_place", "broadcast", "ring"),
+    ``fallbacks`` fallback calls per reason, ``elided``
     ``torch.cat`` / ``torch.stack`` calls that returned a gathered buffer instead
     of a copy, ``verified`` rewired calls that verify mode found identical to the original. ``bytes_saved`` is
     what the backend's gathered-size temporary would have cost on the

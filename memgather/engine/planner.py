@@ -1,6 +1,6 @@
 """The decision for one call, made in one place: strategy, route and reason (steps 1 to 3 of docs/calls.md).
 
-``at_once`` is the first line: a call that certainly goes to torch, told from
+``quick_reason`` is the first line: a call that certainly goes to torch, told from
 cheap facts (a small call on a group seen before, a call on ProcessGroupNCCL2).
 ``decide`` is the rest: the preconditions every rank shares, the route
 (``routes.choose``), the strategy (``strategies``). Only the agreement round
@@ -45,7 +45,7 @@ class Decision:
         return self.gathered is not None and (check or (self.route is not None and self.route.needs_agreement))
 
 
-def at_once(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
+def quick_reason(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
     """Why the call certainly goes to torch, told from cheap facts; None where that takes ``decide``.
 
     Small gloo calls are the most frequent kind and the ones where memgather's
@@ -114,7 +114,7 @@ def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
 
 
 def _below_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
-    """A plain tensor under its backend's threshold: ``at_once`` runs before the preconditions."""
+    """A plain tensor under its backend's threshold: ``quick_reason`` runs before the preconditions."""
     return type(tensor) is torch.Tensor and _under_threshold(info, tensor, gathered)
 
 

@@ -71,9 +71,9 @@ class Route:
 
 # NCCL reads the input as raw memory and rejects non-contiguous ones where
 # torch's list call differs in what it accepts; such inputs stay with torch.
-SINGLE_IN_PLACE = Route("single", saves_temp=True, needs_agreement=False, contiguous_input_only=True)
+SINGLE_IN_PLACE = Route("single_in_place", saves_temp=True, needs_agreement=False, contiguous_input_only=True)
 # Gloo copies the input in logical order on both calls (tested bit for bit).
-SINGLE_STAGED = Route("single", saves_temp=False, needs_agreement=False)
+SINGLE_STAGED = Route("single_staged", saves_temp=False, needs_agreement=False)
 BROADCAST = Route("broadcast", saves_temp=True, needs_agreement=True, in_place=True)
 RING = Route("ring", saves_temp=True, needs_agreement=True, in_place=True)
 # Accepted by gloo's collectives on every release memgather supports (complex ones are

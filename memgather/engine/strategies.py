@@ -12,6 +12,10 @@
 - ``Strategy.FALLBACK`` with a ``Reason``: anything memgather cannot prove safe;
   the original ``all_gather`` runs unchanged and keeps its own semantics.
 
+``Strategy.INTO_RESULT`` is not a plan: ``memgather.gather``'s small calls,
+counted under it, have no caller's slots (torch's single-tensor call writes
+into the result ``gather`` allocates).
+
 Nothing here allocates, communicates or keeps a reference to a storage.
 """
 
@@ -33,6 +37,7 @@ class Strategy(str, enum.Enum):
     DIRECT = "direct"
     REBIND = "rebind"
     IN_SLOTS = "in_slots"
+    INTO_RESULT = "into_result"  # memgather.gather's small call: torch's single-tensor call into its result
     FALLBACK = "fallback"
 
 

@@ -45,7 +45,7 @@ class Case:
     reserved_torch: int = 0
     reserved_memgather: int = 0
     differs: bool = False
-    verified: bool = False  # verify mode checked a rewired call (memgather.gather's small path is torch's own call)
+    verified: bool = False  # verify mode checked a rewired call
     error: str = ""
 
 
@@ -257,19 +257,22 @@ def verdict(cases: List[Case], world: int, backend: str) -> str:
     """The one line to read: PASS or FAIL, and why."""
     import torch
 
+    from memgather.engine.strategies import Strategy
+
     where = f"{len(cases)} cases, {world} rank{'s' if world > 1 else ''}, {backend}, torch {torch.__version__}"
     bad = [c for c in cases if c.differs or c.error]
     if bad:
         names = ", ".join(sorted({f"{c.pattern} at {bench.size_label(c.per_rank)}" for c in bad}))
         return f"memgather selftest: FAIL ({where}): results differ from torch's in {names}. Keep MEMGATHER off here and report it."
-    rewired = sum(1 for c in cases if c.took and not c.took.startswith("torch"))
-    verified = sum(1 for c in cases if c.verified)
+    # memgather.gather's small call (into_result) is torch's own call: nothing to verify.
+    rewired = [c for c in cases if c.took and not c.took.startswith(("torch", Strategy.INTO_RESULT.value))]
+    verified = sum(1 for c in rewired if c.verified)
     worse = sum(1 for c in cases if _worse(c))
     margin = f"{_WORSE_BYTES >> 20} MiB and {_WORSE_SHARE:.0%}"
     memory = (f"peak more than {margin} above torch's in {worse} (marked)" if worse
               else f"peak never more than {margin} above torch's")
     return (f"memgather selftest: PASS ({where}): results identical to torch's on every rank; "
-            f"{rewired} cases rewired, {verified} of them checked in verify mode; {memory}")
+            f"{len(rewired)} cases rewired, {verified} of them checked in verify mode; {memory}")
 
 
 def _worse(case: Case) -> bool:
