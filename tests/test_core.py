@@ -79,6 +79,16 @@ def test_gather_of_scalars_has_shape_world(pools: Any) -> None:
         assert result["shape"] == [3]
 
 
+@pytest.mark.parametrize("numel", [6, BIG], ids=["small", "broadcast"])
+def test_gather_of_an_input_that_requires_grad_gives_what_cat_gives(pools: Any, numel: int) -> None:
+    """torch.cat of torch's list never has a history; gather()'s small call once gave its result one
+    (an in-place write under grad mode) and, now and then, autograd's in-place error from gloo's wait."""
+    for result in unwrap(pools(2).run(gather_with_grad, numel, 60 if numel == 6 else 2)):
+        assert result["errors"] == [] and result["history"] == [] and result["equal"], result
+        small = "into_result" if compat.gloo_has_single_tensor() else "fallback"
+        assert set(result["strategies"]) == {small if numel == 6 else "direct"}, result
+
+
 def test_async_returns_torch_work_and_wait_completes(pools: Any) -> None:
     for result in unwrap(pools(2, **EAGER).run(async_work, 1000)):
         assert result == {"is_work": True, "completed": True, "strategy": ASYNC_FRESH, "correct": True}
@@ -186,6 +196,24 @@ def uneven_check(ctx: Any, numel_by_rank: List[int]) -> Dict[str, Any]:
                 "is_value_error": isinstance(error, ValueError)}
     return {"raised": False, "strategy": dict(memgather.stats().by_strategy),
             "correct": all(torch.equal(s, filled(r, (numel,))) for r, s in enumerate(slots))}
+
+
+def gather_with_grad(ctx: Any, numel: int, calls: int) -> Dict[str, Any]:
+    """``calls`` gathers of a leaf that requires grad, under grad mode: errors, results with a history."""
+    t = torch.arange(numel, dtype=torch.float32).add_(ctx.rank).requires_grad_()
+    want = torch.cat([torch.arange(numel, dtype=torch.float32).add_(r) for r in range(ctx.world)])
+    memgather.reset_stats()
+    errors, history, equal = [], [], True
+    for _ in range(calls):
+        try:
+            got = memgather.gather(t)
+        except RuntimeError as error:
+            errors.append(str(error)[:200])
+            continue
+        if got.requires_grad or got.grad_fn is not None:
+            history.append(str(got.grad_fn))
+        equal = equal and torch.equal(got.detach(), want)
+    return {"errors": errors, "history": history, "equal": equal, "strategies": dict(memgather.stats().by_strategy)}
 
 
 def gather_result(ctx: Any, shape: Tuple[int, ...], dtype_name: str, subgroup: Optional[Tuple[int, ...]]) -> Any:

@@ -49,6 +49,18 @@ def test_doctor_reports_and_exits_zero_when_usable() -> None:
         assert expected in done.stdout
 
 
+def test_doctor_reports_a_pth_that_names_a_module_memgather_has_not(tmp_path: Path) -> None:
+    """An editable install's .pth is a copy: after an upgrade it may import a module that moved."""
+    from memgather.tools import doctor
+
+    assert doctor.pth_stale(str(Path(__file__).parent.parent / "memgather.pth")) is None
+    old = tmp_path / "memgather.pth"
+    old.write_text('import os; os.environ.get("MEMGATHER", "").strip() not in ("", "0") and '
+                   '__import__("memgather._autoload")\n')
+    assert doctor.pth_stale(str(old)) == ("it imports memgather._autoload, which this memgather has not: "
+                                          "reinstall memgather (pip install -e . in a checkout)")
+
+
 def test_doctor_states_the_gloo_threshold_in_force() -> None:
     done = _run([PYTHON, "-m", "memgather", "doctor"], env={"MEMGATHER_GLOO_MIN_BYTES": str(4 << 20)})
     assert done.returncode == 0 and "gloo  available: sync calls from 4 MiB per rank" in done.stdout, done.stdout

@@ -59,9 +59,10 @@ def test_a_call_with_check_on_takes_the_full_path() -> None:
 def test_small_gather_takes_the_single_call() -> None:
     out = run_on_fake("""
         out = memgather.gather(torch.ones(8))
-        print(tuple(out.shape), dict(memgather.stats().by_strategy), dict(memgather.stats().by_route))
+        stats = memgather.stats()
+        print(tuple(out.shape), dict(stats.by_strategy), dict(stats.by_route), stats.calls, stats.rewired)
     """, {})
-    assert out.strip() == "(16,) {'into_result': 1} {'single_staged': 1}"
+    assert out.strip() == "(16,) {'into_result': 1} {'single_staged': 1} 1 0"  # gather's own call: not a rewire
 
 
 def test_small_gather_inside_coalescing_is_left_to_torch() -> None:

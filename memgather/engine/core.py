@@ -144,12 +144,15 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
         raise ValueError("memgather.gather: this rank is not a member of the given process group")
     world = dist.get_world_size(group)
     out = torch.empty(slots.flat_shape(tensor.shape, world), dtype=tensor.dtype, device=tensor.device)
-    if not (_settings.check if check is None else check) and planner.small_single(out, tensor, group):
+    route = None if (_settings.check if check is None else check) else planner.small_single(out, tensor, group)
+    if route is not None:
         # Below the threshold torch's single-tensor call is the cheapest way, and there
         # are no caller's slots to honour: the same call the hand-fixed code makes.
-        route = routes.SINGLE_STAGED if tensor.is_cpu else routes.SINGLE_IN_PLACE
         counters.record(Strategy.INTO_RESULT.value, route=route.name)
-        routes.run(route, out, tensor, group, False)
+        # Without grad, as in _rewire: an input that requires grad must not give the result
+        # a history (torch.cat of torch's list gives none), nor trip autograd's in-place checks.
+        with torch.no_grad():
+            routes.run(route, out, tensor, group, False)
         return out
     pages.advise(out)
     all_gather(slots.views(out, world, tensor.shape), tensor, group, check=check)

@@ -22,7 +22,7 @@ class Stats:
     """A snapshot of this process's counters since start or ``reset_stats()``.
 
     ``by_strategy`` counts calls per strategy ("direct", "rebind",
-    "in_slots", "into_result", "fallback"), ``by_route`` rewired calls per
+    "in_slots", "into_result", "fallback"), ``by_route`` calls memgather carried out per
     collective ("single_staged", "single_in_place", "broadcast", "ring"),
     ``fallbacks`` fallback calls per reason, ``elided``
     ``torch.cat`` / ``torch.stack`` calls that returned a gathered buffer instead
@@ -45,7 +45,8 @@ class Stats:
 
     @property
     def rewired(self) -> int:
-        return self.calls - self.by_strategy.get("fallback", 0)
+        """``all_gather`` calls memgather carried out itself (not ``into_result``: no caller's list)."""
+        return self.calls - self.by_strategy.get("fallback", 0) - self.by_strategy.get("into_result", 0)
 
     def __str__(self) -> str:
         def counts(mapping: Mapping[str, int]) -> str:

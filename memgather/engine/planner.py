@@ -96,16 +96,20 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
     return Decision(chosen, route, info, gathered, watched)
 
 
-def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> bool:
-    """Whether gather() takes torch's single-tensor call into ``out`` at once: a small gather on a
+def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optional[routes.Route]:
+    """The single-tensor route gather() takes into ``out`` at once, if any: a small gather on a
     gloo or legacy NCCL group, where all_gather's preconditions hold (gather() checked the group)."""
-    if not _below_threshold(groups.describe(group), tensor, out.numel() * out.element_size()):
-        return False
+    info = groups.describe(group)
+    if not _below_threshold(info, tensor, out.numel() * out.element_size()):
+        return None
     if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
-        return False
+        return None
     if tensor.is_cpu:
-        return compat.gloo_has_single_tensor()
-    return tensor.is_contiguous()  # NCCL reads the input as raw memory: torch's list call takes any
+        return routes.SINGLE_STAGED if compat.gloo_has_single_tensor() else None
+    if not tensor.is_contiguous():  # NCCL reads the input as raw memory: torch's list call takes any
+        return None
+    nccl = routes.backend_on(info.backend, tensor.device.type).startswith("nccl")
+    return routes.SINGLE_IN_PLACE if nccl else routes.SINGLE_STAGED  # as routes.choose names them
 
 
 def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:

@@ -161,7 +161,7 @@ def _routes(args: argparse.Namespace) -> int:
     from memgather.tools import route_times
 
     if args.backend == "nccl":
-        return _usage_error(ValueError("--routes times gloo's routes; NCCL has one route (single, in place)"))
+        return _usage_error(ValueError("--routes times gloo's routes; NCCL has one route (single_in_place)"))
     try:
         sizes = _sizes(args.sizes, route_times.DEFAULT_SIZES, route_times.check_sizes)
     except ValueError as error:

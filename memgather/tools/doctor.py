@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import site
 import sys
 from typing import Dict, List, Optional
@@ -47,8 +49,10 @@ def report() -> "tuple[List[str], bool]":
     lines.extend(elision_lines(settings.elide if settings is not None else None))
     lines.append(f"environment: {settings}" if settings is not None else f"environment: INVALID: {invalid}")
     pth = find_pth()
-    lines.append(f".pth: {pth or 'not installed (MEMGATHER=1 and memgather run cannot patch new processes)'}")
-    usable = dist.is_available() and primitive.function is not None and settings is not None
+    stale = pth_stale(pth) if pth else None
+    lines.append(f".pth: {pth or 'not installed (MEMGATHER=1 and memgather run cannot patch new processes)'}"
+                 + (f": STALE, {stale}" if stale else ""))
+    usable = dist.is_available() and primitive.function is not None and settings is not None and not stale
     lines.append(f"verdict: {'usable' if usable else 'NOT usable'}")
     return lines, usable
 
@@ -124,6 +128,29 @@ def find_pth() -> Optional[str]:
         if os.path.isfile(path):
             return path
     return None
+
+
+def pth_stale(path: str) -> Optional[str]:
+    """Why the .pth at ``path`` cannot switch this memgather on, or None.
+
+    A copy made at install time: after an upgrade without reinstalling (a
+    checkout installed with ``pip install -e``), it may name a module this
+    memgather no longer has, and Python then skips it with one line on stderr.
+    """
+    with open(path) as handle:
+        modules = re.findall(r"__import__\(['\"]([\w.]+)['\"]\)", handle.read())
+    missing = [name for name in modules if not _importable(name)]
+    if not modules or missing:
+        what = f"it imports {', '.join(missing)}, which this memgather has not" if missing else "it imports nothing"
+        return f"{what}: reinstall memgather (pip install -e . in a checkout)"
+    return None
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def _available(dist: object, name: str) -> bool:

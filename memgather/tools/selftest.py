@@ -209,8 +209,8 @@ def _settle(device: Any) -> None:
 
 def _took(stats: Any) -> str:
     """What memgather did with the measured call: strategy and route, or torch's and why."""
-    if stats.rewired:
-        strategy = next(name for name in stats.by_strategy if name != "fallback")
+    strategy = next((name for name in stats.by_strategy if name != "fallback"), None)
+    if strategy is not None:
         route = next(iter(stats.by_route), "?")
         return f"{strategy} ({route})" + (", cat elided" if stats.elided else "")
     reason = next(iter(stats.fallbacks), "?")
