@@ -28,7 +28,7 @@ _EXPORTS = {
     "patch": ("memgather.patching.patcher", "patch"),
     "unpatch": ("memgather.patching.patcher", "unpatch"),
     "is_patched": ("memgather.patching.patcher", "is_patched"),
-    "disabled": ("memgather.patching.patcher", "disabled"),
+    "disabled": ("memgather.patching.scope", "disabled"),
     "stats": ("memgather.engine.counters", "stats"),
     "reset_stats": ("memgather.engine.counters", "reset_stats"),
     "Stats": ("memgather.engine.counters", "Stats"),
@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from memgather.engine.counters import Stats, reset_stats, stats
     from memgather.engine.strategies import Reason, Strategy
     from memgather.errors import UnevenShapesError, VerifyError
-    from memgather.patching.patcher import disabled, is_patched, patch, unpatch
+    from memgather.patching.patcher import is_patched, patch, unpatch
+    from memgather.patching.scope import disabled
     from memgather.patching.targets import BUILTIN as TARGETS
     from memgather.patching.targets import Target

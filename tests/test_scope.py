@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 import memgather
-from memgather.patching.patcher import is_disabled
+from memgather.patching.scope import is_disabled
 
 
 def test_context_manager_nests() -> None:

@@ -1,9 +1,9 @@
 """The patching machinery: who gets the engine, and how it is switched on.
 
-``patcher`` installs and removes the wrapper around torch's ``all_gather``,
-and holds the explicit opt-out (``disabled()``); ``callers`` finds the code
-that asked for a gather; ``targets`` (with ``releases`` and ``audits``) says
-which callers are rewired and where elision is on; ``autoload`` (run by
+``patcher`` installs and removes the wrapper around torch's ``all_gather``;
+``callers`` finds the code that asked for a gather; ``targets`` (with
+``releases`` and ``audits``) says which callers are rewired and where elision
+is on; ``scope`` is the explicit opt-out; ``autoload`` (run by
 ``memgather.pth``) and ``pytest_plugin`` switch memgather on without editing
 the user's code.
 """

@@ -1,4 +1,4 @@
-"""``patch()`` / ``unpatch()``: memgather's wrapper around torch's all_gather; ``disabled()``, the opt-out.
+"""``patch()`` / ``unpatch()``: memgather's wrapper around torch's all_gather.
 
 The wrapper is installed on ``torch.distributed.all_gather``,
 ``torch.distributed.distributed_c10d.all_gather`` (which ``all_gather_object``
@@ -7,9 +7,6 @@ with ``from torch.distributed import all_gather``. Per call it asks three
 cheap questions (patched? opted out? compiling?) and one cached one (is the
 caller a selected target whose version gate passed?), then hands the call to
 ``memgather.engine.core`` or to the function it wraps.
-
-The opt-out is a ContextVar, so it is confined to the thread or asyncio task
-that entered it, and nests.
 """
 
 from __future__ import annotations
@@ -17,18 +14,16 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from types import CodeType, ModuleType
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch.distributed as dist
 import wrapt
 
 from memgather import compat, config
 from memgather.engine import core, elision, report
-from memgather.patching import audits, callers
+from memgather.patching import audits, callers, scope
 from memgather.patching import targets as registry
 
 _log = logging.getLogger("memgather")
@@ -65,7 +60,6 @@ _chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], Tuple[CodeType, bool,
 _exported: Optional[Dict[str, Optional[str]]] = None
 _hooked: set = set()
 _announced: set = set()
-_disabled_depth: ContextVar[int] = ContextVar("memgather_disabled_depth", default=0)
 
 
 def patch(
@@ -149,25 +143,6 @@ def unpatch() -> bool:
     return True
 
 
-@contextmanager
-def disabled() -> Iterator[None]:
-    """Leave every all_gather in this block (or decorated function) to torch.
-
-    Usable as ``with memgather.disabled():`` and as ``@memgather.disabled()``;
-    affects only the current thread / asyncio task, and nests.
-    """
-    token = _disabled_depth.set(_disabled_depth.get() + 1)
-    try:
-        yield
-    finally:
-        _disabled_depth.reset(token)
-
-
-def is_disabled() -> bool:
-    """Whether the current context is inside ``disabled()``."""
-    return _disabled_depth.get() > 0
-
-
 def is_patched() -> bool:
     """Whether memgather is currently rewiring calls."""
     return _active is not None
@@ -175,7 +150,7 @@ def is_patched() -> bool:
 
 def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     active = _active
-    if active is not None and _disabled_depth.get() == 0 and not compat.is_compiling():
+    if active is not None and not scope.is_disabled() and not compat.is_compiling():
         frame = sys._getframe(1)
         code = frame.f_code
         known = _decisions.get(id(code))
