@@ -53,12 +53,21 @@ def test_doctor_reports_a_pth_that_names_a_module_memgather_has_not(tmp_path: Pa
     """An editable install's .pth is a copy: after an upgrade it may import a module that moved."""
     from memgather.tools import doctor
 
-    assert doctor.pth_stale(str(Path(__file__).parent.parent / "memgather.pth")) is None
-    old = tmp_path / "memgather.pth"
-    old.write_text('import os; os.environ.get("MEMGATHER", "").strip() not in ("", "0") and '
-                   '__import__("memgather._autoload")\n')
-    assert doctor.pth_stale(str(old)) == ("it imports memgather._autoload, which this memgather has not: "
-                                          "reinstall memgather (pip install -e . in a checkout)")
+    shipped = (Path(__file__).parent.parent / "memgather.pth").read_text()
+    stale = ('import os; os.environ.get("MEMGATHER", "").strip() not in ("", "0") and '
+             '__import__("memgather._autoload")\n')
+    found = {}
+    # As site reads a .pth: only lines starting with "import" run; others are paths or comments.
+    for name, text in {"shipped": shipped, "statement": "import memgather.patching.autoload\n",
+                       "commented": '# __import__("memgather._autoload")\n' + shipped, "empty": "",
+                       "stale": stale, "stale statement": "import memgather._autoload\n"}.items():
+        (tmp_path / name).write_text(text)
+        found[name] = doctor.pth_stale(str(tmp_path / name))
+    (tmp_path / "bytes").write_bytes(b"\xff\xfe\n")
+    found["bytes"] = doctor.pth_stale(str(tmp_path / "bytes"))
+    said = "it imports memgather._autoload, which this memgather has not: reinstall memgather (pip install -e . in a checkout)"
+    assert found == {"shipped": None, "statement": None, "commented": None, "empty": None, "bytes": None,
+                     "stale": said, "stale statement": said}
 
 
 def test_doctor_states_the_gloo_threshold_in_force() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 
 import memgather
@@ -75,3 +77,10 @@ def test_exception_inside_restores_state() -> None:
     except KeyError:
         pass
     assert not is_disabled()
+
+
+def test_the_opt_out_imports_nothing_heavy() -> None:
+    """A decorator applied at import time: ``memgather.disabled`` must not pull torch in."""
+    code = "import sys, memgather; memgather.disabled; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
-import re
 import site
 import sys
 from typing import Dict, List, Optional
@@ -131,19 +131,40 @@ def find_pth() -> Optional[str]:
 
 
 def pth_stale(path: str) -> Optional[str]:
-    """Why the .pth at ``path`` cannot switch this memgather on, or None.
+    """Why the .pth at ``path`` cannot switch this memgather on, or None where it can or no
+    reason is seen.
 
     A copy made at install time: after an upgrade without reinstalling (a
     checkout installed with ``pip install -e``), it may name a module this
     memgather no longer has, and Python then skips it with one line on stderr.
+    Read as ``site`` reads it: only lines starting with ``import`` run.
     """
-    with open(path) as handle:
-        modules = re.findall(r"__import__\(['\"]([\w.]+)['\"]\)", handle.read())
-    missing = [name for name in modules if not _importable(name)]
-    if not modules or missing:
-        what = f"it imports {', '.join(missing)}, which this memgather has not" if missing else "it imports nothing"
-        return f"{what}: reinstall memgather (pip install -e . in a checkout)"
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None  # site would say so at start-up; nothing here to add
+    missing = [name for line in lines if line.startswith(("import ", "import\t"))
+               for name in _modules_named(line) if name.startswith("memgather") and not _importable(name)]
+    if missing:
+        return f"it imports {', '.join(missing)}, which this memgather has not: reinstall memgather (pip install -e . in a checkout)"
     return None
+
+
+def _modules_named(line: str) -> List[str]:
+    """Modules a .pth line imports: ``import x.y`` statements and ``__import__("x.y")`` calls."""
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return []
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "__import__"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names.append(node.args[0].value)
+    return names
 
 
 def _importable(name: str) -> bool:
