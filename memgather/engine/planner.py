@@ -104,12 +104,12 @@ def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optiona
         return None
     if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
         return None
-    if tensor.is_cpu:
-        return routes.SINGLE_STAGED if compat.gloo_has_single_tensor() else None
-    if not tensor.is_contiguous():  # NCCL reads the input as raw memory: torch's list call takes any
-        return None
-    nccl = routes.backend_on(info.backend, tensor.device.type).startswith("nccl")
-    return routes.SINGLE_IN_PLACE if nccl else routes.SINGLE_STAGED  # as routes.choose names them
+    device = tensor.device
+    route = routes.single_route(routes.backend_on(info.backend, device.type), device,
+                                compat.gloo_has_single_tensor(), info.nccl)
+    if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
+        return None  # NCCL reads the input as raw memory: torch's list call takes any
+    return route
 
 
 def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:

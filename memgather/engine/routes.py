@@ -143,12 +143,19 @@ def choose(backend: str, device: torch.device, async_op: bool, gloo_single: bool
     the ranks agreed. ``nccl_flavour`` is the group's NCCL backend
     (``compat.nccl_flavour``).
     """
-    if backend == "gloo" and device.type == "cpu":
-        # Async calls take the single call: the agreement round before the
-        # broadcasts would block a call that the caller expects to return at once.
-        if async_op:
-            return SINGLE_STAGED if gloo_single else None
+    if backend == "gloo" and device.type == "cpu" and not async_op:
         return BROADCAST
+    # Async gloo calls take the single call: the agreement round before the
+    # broadcasts would block a call that the caller expects to return at once.
+    return single_route(backend, device, gloo_single, nccl_flavour)
+
+
+def single_route(backend: str, device: torch.device, gloo_single: bool = True,
+                 nccl_flavour: Optional[str] = None) -> Optional[Route]:
+    """Which of the two single-tensor routes a call on ``backend`` takes, or None where it has none
+    (a torch whose gloo lacks the call, ProcessGroupNCCL2, another backend)."""
+    if backend == "gloo" and device.type == "cpu":
+        return SINGLE_STAGED if gloo_single else None
     if backend.startswith("nccl") and device.type == "cuda":
         # Only the legacy group's list call runs the single call's collective (ncclAllGather
         # into a temporary): a rank that fell back still meets one that took the single call,
