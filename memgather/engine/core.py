@@ -216,7 +216,7 @@ def _binds(count: int, kwargs: Dict[str, Any]) -> bool:
 def to_torch(reason: Optional[Reason], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """Count a fallback and make the call, as its caller wrote it, with the original all_gather."""
     why = reason._value_ if reason else None  # what .value reads, without its descriptor's cost
-    counters.record("fallback", reason=why)
+    counters.record_fallback(why)
     if elision.may_need_settling():
         # torch writes in place: never into a result handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))

@@ -9,8 +9,9 @@ cheap facts (a small call on a group seen before, a call on ProcessGroupNCCL2).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,25 @@ from memgather.engine.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback
 _gloo_min_bytes: Optional[int] = None
 _nccl_min_bytes: Optional[int] = None
 
+# (id of a process group, a device type) -> (weak reference to the group, its description, the
+# gathered bytes under which its calls on that device type go to torch: 0, none do; NCCL2, all do).
+# Worked out once per group and device type: ``quick_reason`` asks on every small call, the most
+# frequent kind, and finds here all it needs in one lookup. The weak reference tells a group freed
+# and its id reused. Emptied by configure(), which may change the thresholds, and past _MAX_LIMITS
+# entries (groups created again and again).
+_LimitEntry = Tuple[Callable[[], Any], groups.GroupInfo, int]
+_limits: Dict[Tuple[int, str], _LimitEntry] = {}
+_MAX_LIMITS = 256
+NCCL2 = -1
+# Bound once: an Enum member read through its class costs a tenth of a microsecond a call.
+_NCCL2, _BELOW_THRESHOLD = Reason.NCCL2, Reason.BELOW_THRESHOLD
+
 
 def configure(settings: config.Settings) -> None:
     """Take the thresholds of ``settings`` (``core.configure`` passes them on)."""
     global _gloo_min_bytes, _nccl_min_bytes
     _gloo_min_bytes, _nccl_min_bytes = settings.gloo_min_bytes, settings.nccl_min_bytes
+    _limits.clear()
 
 
 @dataclass(frozen=True)
@@ -57,14 +72,22 @@ def quick_reason(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
     a subclass, a malformed list, another backend) takes ``decide``. Whatever
     that would have decided, such a call ends with the original all_gather.
     """
-    info = groups.known(group)
-    if info is None or type(tensor) is not torch.Tensor:
+    if type(tensor) is not torch.Tensor:
         return None
-    if _on_nccl2(info, tensor):
-        return Reason.NCCL2
-    gathered = _gathered_bytes(tensor_list, info.world)
-    if gathered is not None and _below_threshold(info, tensor, gathered):
-        return Reason.BELOW_THRESHOLD
+    entry = _limit_entry(group, tensor, None)
+    if entry is None:
+        return None  # a group is described once a call on it passed decide's checks
+    limit = entry[2]
+    if limit == NCCL2:
+        return _NCCL2
+    if limit and type(tensor_list) is list and len(tensor_list) == entry[1].world:
+        gathered = 0
+        for slot in tensor_list:
+            if not isinstance(slot, torch.Tensor):
+                return None
+            gathered += slot.numel() * slot.element_size()
+        if gathered < limit:
+            return _BELOW_THRESHOLD
     return None
 
 
@@ -78,7 +101,7 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
         info = groups.describe(group)
         gathered = _gathered_bytes(tensor_list, info.world)
         # Under the threshold no route is taken, so no rank agrees on one: decided before anything else.
-        below = gathered is not None and _under_threshold(info, tensor, gathered)
+        below = gathered is not None and _under_threshold(group, info, tensor, gathered)
         route = None if below else _route(tensor, info, gathered, async_op)
         # A dispatch mode would see memgather's own operations (its checks among them), and one that
         # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
@@ -100,7 +123,7 @@ def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optiona
     """The single-tensor route gather() takes into ``out`` at once, if any: a small gather on a
     gloo or legacy NCCL group, where all_gather's preconditions hold (gather() checked the group)."""
     info = groups.describe(group)
-    if not _below_threshold(info, tensor, out.numel() * out.element_size()):
+    if not _below_threshold(group, info, tensor, out.numel() * out.element_size()):
         return None
     if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
         return None
@@ -117,16 +140,45 @@ def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
     return info.nccl == "nccl2" and tensor.is_cuda
 
 
-def _below_threshold(info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
-    """A plain tensor under its backend's threshold: ``quick_reason`` runs before the preconditions."""
-    return type(tensor) is torch.Tensor and _under_threshold(info, tensor, gathered)
+def _below_threshold(group: Any, info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
+    """A plain tensor under its backend's threshold: ``small_single`` runs before the preconditions."""
+    return type(tensor) is torch.Tensor and _under_threshold(group, info, tensor, gathered)
 
 
-def _under_threshold(info: groups.GroupInfo, tensor: torch.Tensor, gathered: int) -> bool:
-    """``routes.below_threshold`` for this tensor's device on this group."""
-    device_type = "cpu" if tensor.is_cpu else ("cuda" if tensor.is_cuda else tensor.device.type)
-    return routes.below_threshold(routes.backend_on(info.backend, device_type), device_type, info.nccl, gathered,
-                                  info.world, _gloo_min_bytes, _nccl_min_bytes)
+def _under_threshold(group: Any, info: groups.GroupInfo, tensor: torch.Tensor, gathered: int) -> bool:
+    """Whether the call is under its threshold (``routes.gathered_limit``) for this tensor's device on ``group``."""
+    entry = _limit_entry(group, tensor, info)
+    assert entry is not None  # given the group's description, the entry is worked out
+    return gathered < max(entry[2], 0)
+
+
+def _limit_entry(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo]) -> Optional[_LimitEntry]:
+    """The ``_limits`` entry for ``tensor``'s device type on ``group``; None where the group is not
+    described yet and ``info`` (its description) is not given."""
+    pg = group if group is not None else dist.GroupMember.WORLD
+    kind = "cpu" if tensor.is_cpu else ("cuda" if tensor.is_cuda else tensor.device.type)
+    entry = _limits.get((id(pg), kind))
+    if entry is not None and entry[0]() is pg:
+        return entry
+    info = info or groups.known(group)
+    return None if info is None else _learn(pg, info, kind)
+
+
+def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _LimitEntry:
+    """The ``_limits`` entry of calls with tensors of ``device_type`` on ``pg``, worked out and kept."""
+    if info.nccl == "nccl2" and device_type == "cuda":
+        limit = NCCL2
+    else:
+        limit = routes.gathered_limit(routes.backend_on(info.backend, device_type), device_type, info.nccl,
+                                      info.world, _gloo_min_bytes, _nccl_min_bytes)
+    try:
+        entry = (weakref.ref(pg), info, limit)
+    except TypeError:  # a group object that takes no weak reference: worked out every time
+        return (lambda: pg, info, limit)
+    if len(_limits) >= _MAX_LIMITS:
+        _limits.clear()
+    _limits[(id(pg), device_type)] = entry
+    return entry
 
 
 def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:

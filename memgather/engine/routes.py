@@ -116,7 +116,13 @@ def nccl_threshold(setting: Optional[int]) -> int:
 
 def below_threshold(backend: str, device_type: str, nccl_flavour: Optional[str], gathered_bytes: int, world: int,
                     gloo_min_bytes: Optional[int] = None, nccl_min_bytes: Optional[int] = None) -> bool:
-    """Whether a call is under its backend's threshold, and so left to torch: the only place it is told.
+    """Whether a call is under its backend's threshold, and so left to torch (``gathered_limit``)."""
+    return gathered_bytes < gathered_limit(backend, device_type, nccl_flavour, world, gloo_min_bytes, nccl_min_bytes)
+
+
+def gathered_limit(backend: str, device_type: str, nccl_flavour: Optional[str], world: int,
+                   gloo_min_bytes: Optional[int] = None, nccl_min_bytes: Optional[int] = None) -> int:
+    """The gathered bytes under which a call is left to torch (0: none is): the only place it is told.
 
     Below it there is nothing or next to nothing to save, and memgather's own
     work would only add time. ``backend`` is the one for the tensor's device
@@ -125,15 +131,15 @@ def below_threshold(backend: str, device_type: str, nccl_flavour: Optional[str],
     legacy NCCL. Every input is the same on every rank of a working program.
     """
     if backend == "gloo" and device_type == "cpu":
-        return gathered_bytes < world * gloo_threshold(gloo_min_bytes)
+        return world * gloo_threshold(gloo_min_bytes)
     if (backend.startswith("nccl") and device_type == "cuda" and nccl_flavour == "legacy") or backend == "fake":
-        return gathered_bytes < world * nccl_threshold(nccl_min_bytes)
-    return False
+        return world * nccl_threshold(nccl_min_bytes)
+    return 0
 
 
 def choose(backend: str, device: torch.device, async_op: bool, gloo_single: bool = True,
            nccl_flavour: Optional[str] = None) -> Optional[Route]:
-    """The route for a call at or above its threshold (``below_threshold``), or None where no
+    """The route for a call at or above its threshold (``gathered_limit``), or None where no
     route is known to be safe.
 
     Every input here is the same on every rank of a working program, so all

@@ -1,0 +1,81 @@
+"""memgather.engine.counters: fallbacks are counted without a lock, and still exactly."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Iterator, List
+
+import pytest
+
+from memgather.engine import counters
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters() -> Iterator[None]:
+    counters.reset_stats()
+    yield
+    counters.reset_stats()
+
+
+@pytest.fixture
+def _eager_switching() -> Iterator[None]:
+    """Threads switched every microsecond: a lost step of a read-add-write would show."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(previous)
+
+
+def test_fallbacks_counted_by_threads_while_another_reads_stay_exact(_eager_switching: None) -> None:
+    reasons = ["below_threshold", "nccl2", None]
+    per_thread, threads = 20000, 6
+    start = threading.Barrier(threads + 1)
+    done = threading.Event()
+    snapshots: List[counters.Stats] = []
+
+    def count(reason: object) -> None:
+        start.wait()
+        for _ in range(per_thread):
+            counters.record_fallback(reason)  # type: ignore[arg-type]
+
+    def read() -> None:
+        start.wait()
+        while not done.is_set():
+            snapshots.append(counters.stats())
+
+    workers = [threading.Thread(target=count, args=(reasons[i % 3],)) for i in range(threads)]
+    reader = threading.Thread(target=read)
+    for thread in [*workers, reader]:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    done.set()
+    reader.join()
+
+    final = counters.stats()
+    assert dict(final.fallbacks) == {"below_threshold": 2 * per_thread, "nccl2": 2 * per_thread}
+    assert final.by_strategy["fallback"] == threads * per_thread  # the unknown reason counts as a fallback too
+    assert final.calls == threads * per_thread and final.rewired == 0
+    assert len(snapshots) > 1  # the reader ran beside the counting
+    # Reading takes steps of its own: no snapshot may count them, and none may go backwards.
+    totals = [s.by_strategy.get("fallback", 0) for s in snapshots]
+    assert totals == sorted(totals) and totals[-1] <= threads * per_thread
+
+
+def test_fallbacks_keep_their_place_among_the_strategies_and_reset_to_nothing() -> None:
+    counters.record("rebind", route="single_staged")
+    counters.record_fallback("below_threshold")
+    counters.record("direct", route="single_staged", saved=8)
+    counters.record_fallback("below_threshold")
+    first = counters.stats()
+    assert list(first.by_strategy.items()) == [("rebind", 1), ("fallback", 2), ("direct", 1)]
+    assert dict(first.fallbacks) == {"below_threshold": 2} and first.bytes_saved == 8
+    assert counters.stats() == first  # reading twice changes nothing
+
+    counters.reset_stats()
+    empty = counters.stats()
+    assert (dict(empty.by_strategy), dict(empty.fallbacks), empty.calls) == ({}, {}, 0)
+    counters.record_fallback(None)
+    after = counters.stats()
+    assert dict(after.by_strategy) == {"fallback": 1} and dict(after.fallbacks) == {}
