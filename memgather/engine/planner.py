@@ -10,8 +10,7 @@ cheap facts (a small call on a group seen before, a call on ProcessGroupNCCL2).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,15 +23,22 @@ from memgather.engine.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback
 _gloo_min_bytes: Optional[int] = None
 _nccl_min_bytes: Optional[int] = None
 
-# (id of a process group, a device type) -> (weak reference to the group, its description, the
-# gathered bytes under which its calls on that device type go to torch: 0, none do; NCCL2, all do).
-# Worked out once per group and device type: ``quick_reason`` asks on every small call, the most
-# frequent kind, and finds here all it needs in one lookup. The weak reference tells a group freed
-# and its id reused. Emptied by configure(), which may change the thresholds, and past _MAX_LIMITS
-# entries (groups created again and again).
-_LimitEntry = Tuple[Callable[[], Any], groups.GroupInfo, int]
-_limits: Dict[Tuple[int, str], _LimitEntry] = {}
-_MAX_LIMITS = 256
+class _OnDevice(NamedTuple):
+    """What calls with tensors of one device type on one group take: worked out once."""
+
+    group: Callable[[], Any]  # a weak reference to the group: tells a group freed and its id reused
+    info: groups.GroupInfo
+    limit: int  # gathered bytes under which a call goes to torch (0: none does; NCCL2: all do)
+    synchronous: Optional[routes.Route]  # the route of a call at or above the limit (routes.choose)
+    single: Optional[routes.Route]  # the single-tensor route (async calls, gather()): routes.single_route
+
+
+# (id of a process group, a device type) -> what its calls take. ``quick_reason`` asks on every
+# small call, the most frequent kind, and finds here all it needs in one lookup; ``decide`` finds
+# its route. Emptied by configure(), which may change the thresholds, and past _MAX_KNOWN entries
+# (groups created again and again).
+_known: Dict[Tuple[int, str], _OnDevice] = {}
+_MAX_KNOWN = 256
 NCCL2 = -1
 # Bound once: an Enum member read through its class costs a tenth of a microsecond a call.
 _NCCL2, _BELOW_THRESHOLD = Reason.NCCL2, Reason.BELOW_THRESHOLD
@@ -42,11 +48,10 @@ def configure(settings: config.Settings) -> None:
     """Take the thresholds of ``settings`` (``core.configure`` passes them on)."""
     global _gloo_min_bytes, _nccl_min_bytes
     _gloo_min_bytes, _nccl_min_bytes = settings.gloo_min_bytes, settings.nccl_min_bytes
-    _limits.clear()
+    _known.clear()
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):  # not a frozen dataclass: its __init__ costs three times as much, every call
     """What ``decide`` settled for a call; ``plan.reason`` is set exactly when it falls back."""
 
     plan: Plan
@@ -74,13 +79,13 @@ def quick_reason(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
     """
     if type(tensor) is not torch.Tensor:
         return None
-    entry = _limit_entry(group, tensor, None)
-    if entry is None:
+    known = _on_device(group, tensor, None)
+    if known is None:
         return None  # a group is described once a call on it passed decide's checks
-    limit = entry[2]
+    limit = known.limit
     if limit == NCCL2:
         return _NCCL2
-    if limit and type(tensor_list) is list and len(tensor_list) == entry[1].world:
+    if limit and type(tensor_list) is list and len(tensor_list) == known.info.world:
         gathered = 0
         for slot in tensor_list:
             if not isinstance(slot, torch.Tensor):
@@ -99,10 +104,13 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
     with compat.subclass_hooks_off():
         info = groups.describe(group)
+        known = _on_device(group, tensor, info)
+        assert known is not None  # given the group's description, it is worked out
         gathered = _gathered_bytes(tensor_list, info.world)
         # Under the threshold no route is taken, so no rank agrees on one: decided before anything else.
-        below = gathered is not None and _under_threshold(group, info, tensor, gathered)
-        route = None if below else _route(tensor, info, gathered, async_op)
+        below = gathered is not None and gathered < max(known.limit, 0)
+        # None for a malformed list, or where no route is known to be safe.
+        route = None if below or gathered is None else (known.single if async_op else known.synchronous)
         # A dispatch mode would see memgather's own operations (its checks among them), and one that
         # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
         # Settled like a plan, in the exchange, so that ranks without the mode fall back too.
@@ -122,14 +130,15 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
 def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optional[routes.Route]:
     """The single-tensor route gather() takes into ``out`` at once, if any: a small gather on a
     gloo or legacy NCCL group, where all_gather's preconditions hold (gather() checked the group)."""
-    info = groups.describe(group)
-    if not _below_threshold(group, info, tensor, out.numel() * out.element_size()):
+    if type(tensor) is not torch.Tensor:
+        return None  # the preconditions first
+    known = _on_device(group, tensor, groups.describe(group))
+    assert known is not None  # given the group's description, it is worked out
+    if not out.numel() * out.element_size() < max(known.limit, 0):
         return None
     if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
         return None
-    device = tensor.device
-    route = routes.single_route(routes.backend_on(info.backend, device.type), device,
-                                compat.gloo_has_single_tensor(), info.nccl)
+    route = known.single
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         return None  # NCCL reads the input as raw memory: torch's list call takes any
     return route
@@ -140,45 +149,37 @@ def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
     return info.nccl == "nccl2" and tensor.is_cuda
 
 
-def _below_threshold(group: Any, info: groups.GroupInfo, tensor: Any, gathered: int) -> bool:
-    """A plain tensor under its backend's threshold: ``small_single`` runs before the preconditions."""
-    return type(tensor) is torch.Tensor and _under_threshold(group, info, tensor, gathered)
-
-
-def _under_threshold(group: Any, info: groups.GroupInfo, tensor: torch.Tensor, gathered: int) -> bool:
-    """Whether the call is under its threshold (``routes.gathered_limit``) for this tensor's device on ``group``."""
-    entry = _limit_entry(group, tensor, info)
-    assert entry is not None  # given the group's description, the entry is worked out
-    return gathered < max(entry[2], 0)
-
-
-def _limit_entry(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo]) -> Optional[_LimitEntry]:
-    """The ``_limits`` entry for ``tensor``'s device type on ``group``; None where the group is not
+def _on_device(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo]) -> Optional[_OnDevice]:
+    """What calls with ``tensor``'s device type on ``group`` take; None where the group is not
     described yet and ``info`` (its description) is not given."""
     pg = group if group is not None else dist.GroupMember.WORLD
     kind = "cpu" if tensor.is_cpu else ("cuda" if tensor.is_cuda else tensor.device.type)
-    entry = _limits.get((id(pg), kind))
-    if entry is not None and entry[0]() is pg:
-        return entry
+    known = _known.get((id(pg), kind))
+    if known is not None and known.group() is pg:
+        return known
     info = info or groups.known(group)
     return None if info is None else _learn(pg, info, kind)
 
 
-def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _LimitEntry:
-    """The ``_limits`` entry of calls with tensors of ``device_type`` on ``pg``, worked out and kept."""
+def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _OnDevice:
+    """Work out what calls with tensors of ``device_type`` on ``pg`` take, and keep it."""
+    backend, device = routes.backend_on(info.backend, device_type), torch.device(device_type)
     if info.nccl == "nccl2" and device_type == "cuda":
         limit = NCCL2
     else:
-        limit = routes.gathered_limit(routes.backend_on(info.backend, device_type), device_type, info.nccl,
-                                      info.world, _gloo_min_bytes, _nccl_min_bytes)
+        limit = routes.gathered_limit(backend, device_type, info.nccl, info.world, _gloo_min_bytes, _nccl_min_bytes)
+    gloo_single = compat.gloo_has_single_tensor()
+    synchronous = routes.choose(backend, device, False, gloo_single, info.nccl)
+    single = routes.single_route(backend, device, gloo_single, info.nccl)
     try:
-        entry = (weakref.ref(pg), info, limit)
+        reference = weakref.ref(pg)
     except TypeError:  # a group object that takes no weak reference: worked out every time
-        return (lambda: pg, info, limit)
-    if len(_limits) >= _MAX_LIMITS:
-        _limits.clear()
-    _limits[(id(pg), device_type)] = entry
-    return entry
+        return _OnDevice(lambda: pg, info, limit, synchronous, single)
+    known = _OnDevice(reference, info, limit, synchronous, single)
+    if len(_known) >= _MAX_KNOWN:
+        _known.clear()
+    _known[(id(pg), device_type)] = known
+    return known
 
 
 def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
@@ -207,15 +208,6 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
     if compat.single_tensor_primitive().function is None:
         return Reason.NO_PRIMITIVE
     return None
-
-
-def _route(tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int], async_op: bool) -> Optional[routes.Route]:
-    """How the bytes would travel; None for a malformed list or an unsupported backend."""
-    if gathered is None:
-        return None
-    device = tensor.device
-    return routes.choose(routes.backend_on(info.backend, device.type), device, async_op,
-                         compat.gloo_has_single_tensor(), info.nccl)
 
 
 def _plan(
