@@ -5,6 +5,8 @@ cheap facts (a small call on a group seen before, a call on ProcessGroupNCCL2).
 ``decide`` is the rest: the preconditions every rank shares, the route
 (``routes.choose``), the strategy (``strategies``). Only the agreement round
 (``core``) may change what it decided, from what the other ranks decided.
+What depends only on the group and the device type (the threshold, the routes)
+is worked out once and kept (``_known``).
 """
 
 from __future__ import annotations

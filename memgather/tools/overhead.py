@@ -44,11 +44,21 @@ _BASES: Dict[str, str] = {
 }
 
 
+# What a variant times under: unpatched, the bare wrapper, or memgather patched for a target.
+_TORCH, _BARE = "torch", "bare"
+_NO_TARGET = "memgather_no_such_target"
+
+
 def measure(calls: int = 20000, rounds: int = 7) -> Dict[str, float]:
-    """Median microseconds per call of each variant."""
+    """Median microseconds per call of each variant.
+
+    The variants take turns, one round each, ``rounds`` times over: a machine that
+    slows down for a while then slows every variant alike, where timing one variant's
+    rounds after another's put the slowdown into some rows and not others (rows moved
+    by microseconds from one invocation to the next).
+    """
     import torch
     import torch.distributed as dist
-    import wrapt
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from memgather.engine import core
@@ -58,37 +68,35 @@ def measure(calls: int = 20000, rounds: int = 7) -> Dict[str, float]:
     tensor = torch.ones(1024)
     buffer = torch.empty(2048)
     direct = list(buffer.chunk(2))
-    seen: Dict[Any, bool] = {}
-
-    def lookup_only(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        seen.get(sys._getframe(1).f_code)
-        return wrapped(*args, **kwargs)
-
-    results: Dict[str, float] = {}
-    results["torch"] = _time(lambda: _user_call(tensor), calls, rounds)
-    with _replaced(dist, "all_gather", wrapt.FunctionWrapper(dist.all_gather, lookup_only)):
-        results["bare wrapper"] = _time(lambda: _user_call(tensor), calls, rounds)
-    counts = {}
-    counts["non-target"] = _patched(results, "non-target", lambda: _user_call(tensor), "memgather_no_such_target",
-                                    calls, rounds)
-    counts["below threshold"] = _patched(results, "below threshold", lambda: _user_call(tensor), "*", calls, rounds)
-    with _environment("MEMGATHER_NCCL_MIN_BYTES", "0"):
-        counts["rewired (rebind)"] = _patched(results, "rewired (rebind)", lambda: _user_call(tensor), "*", calls,
-                                              rounds)
-        results["torch's calls of a rebind"] = _time(lambda: _rebind_by_hand(tensor), calls, rounds)
-        results["direct slots: torch"] = _time(lambda: _user_into(direct, tensor), calls, rounds)
-        counts["direct slots: rewired"] = _patched(results, "direct slots: rewired",
-                                                   lambda: _user_into(direct, tensor), "*", calls, rounds)
-        single = _single_call()
-        results["direct slots: single call alone"] = _time(lambda: single(buffer, tensor), calls, rounds)
-        results["Function: torch"] = _time(lambda: _user_function(tensor), calls, rounds)
-        counts["Function: non-target"] = _patched(results, "Function: non-target", lambda: _user_function(tensor),
-                                                  "memgather_no_such_target", calls, rounds)
-        counts["Function: rewired"] = _patched(results, "Function: rewired", lambda: _user_function(tensor),
-                                               "memgather_bench_user", calls, rounds)
-    core.configure()  # the last unpatch() read the threshold of 0: not for whatever this process does next
+    single = _single_call()
+    # (name, how it runs, the NCCL threshold set to 0, the call)
+    variants: List[Tuple[str, str, bool, Callable[[], Any]]] = [
+        ("torch", _TORCH, False, lambda: _user_call(tensor)),
+        ("bare wrapper", _BARE, False, lambda: _user_call(tensor)),
+        ("non-target", _NO_TARGET, False, lambda: _user_call(tensor)),
+        ("below threshold", "*", False, lambda: _user_call(tensor)),
+        ("rewired (rebind)", "*", True, lambda: _user_call(tensor)),
+        ("torch's calls of a rebind", _TORCH, True, lambda: _rebind_by_hand(tensor)),
+        ("direct slots: torch", _TORCH, True, lambda: _user_into(direct, tensor)),
+        ("direct slots: rewired", "*", True, lambda: _user_into(direct, tensor)),
+        ("direct slots: single call alone", _TORCH, True, lambda: single(buffer, tensor)),
+        ("Function: torch", _TORCH, True, lambda: _user_function(tensor)),
+        ("Function: non-target", _NO_TARGET, True, lambda: _user_function(tensor)),
+        ("Function: rewired", "memgather_bench_user", True, lambda: _user_function(tensor)),
+    ]
+    times: Dict[str, List[float]] = {name: [] for name, *_ in variants}
+    counts: Dict[str, int] = {}
+    try:
+        for _ in range(rounds):
+            for name, runs, zero, call in variants:
+                with _environment("MEMGATHER_NCCL_MIN_BYTES", "0" if zero else None), _running(runs) as rewired:
+                    times[name].append(_time(call, calls))
+                if runs not in (_TORCH, _BARE):
+                    counts[name] = counts.get(name, 0) + rewired()
+    finally:
+        core.configure()  # the last unpatch() read the threshold of 0: not for whatever this process does next
     _check_counts(counts)
-    return results
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _check_counts(counts: Dict[str, int]) -> None:
@@ -100,16 +108,32 @@ def _check_counts(counts: Dict[str, int]) -> None:
                                "meaningless")
 
 
-def _patched(results: Dict[str, float], name: str, call: Callable[[], Any], target: str, calls: int,
-             rounds: int) -> int:
-    """Time ``call`` with memgather patched for ``target``; returns how many calls it rewired."""
+@contextlib.contextmanager
+def _running(runs: str) -> Iterator[Callable[[], int]]:
+    """Unpatched (``_TORCH``), under the bare wrapper (``_BARE``), or memgather patched for the target
+    ``runs``; yields what tells how many calls memgather rewired in the block."""
+    import torch.distributed as dist
+    import wrapt
+
     import memgather
 
-    memgather.patch([target])
+    if runs == _TORCH:
+        yield lambda: 0
+        return
+    if runs == _BARE:
+        seen: Dict[Any, bool] = {}
+
+        def lookup_only(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            seen.get(sys._getframe(1).f_code)
+            return wrapped(*args, **kwargs)
+
+        with _replaced(dist, "all_gather", wrapt.FunctionWrapper(dist.all_gather, lookup_only)):
+            yield lambda: 0
+        return
+    memgather.patch([runs])
     try:
         memgather.reset_stats()
-        results[name] = _time(call, calls, rounds)
-        return memgather.stats().rewired
+        yield lambda: memgather.stats().rewired
     finally:
         memgather.unpatch()
 
@@ -148,7 +172,11 @@ def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
+def _environment(name: str, value: Optional[str]) -> Iterator[None]:
+    """``name`` set to ``value`` in the block (None: left as it is)."""
+    if value is None:
+        yield
+        return
     previous = os.environ.get(name)
     os.environ[name] = value
     try:
@@ -192,10 +220,10 @@ _user_into = _user_namespace["into"]
 _user_function = _user_namespace["function"]
 
 
-def _time(function: Callable[[], None], calls: int, rounds: int) -> float:
+def _time(function: Callable[[], None], calls: int) -> float:
+    """Microseconds per call of one round of ``calls`` calls."""
     function()  # warm caches (the caller decision, torch's dispatch)
-    per_round: List[float] = [t / calls * 1e6 for t in timeit.repeat(function, number=calls, repeat=rounds)]
-    return statistics.median(per_round)
+    return timeit.timeit(function, number=calls) / calls * 1e6
 
 
 # The unpatched calls the other rows are measured against.
