@@ -86,14 +86,15 @@ def all_gather(
 
 def handle(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool, elide: bool, verify: bool) -> Any:
     """``all_gather`` for a call as the wrapper received it, whose arguments bind to torch's
-    signature (``torch_at_once`` made sure): where it falls back, torch gets the caller's own call,
-    positional arguments and keywords as they were (torch's exception logging reads them)."""
+    signature, and which ``torch_at_once`` did not send to torch: where it falls back, torch gets
+    the caller's own call, positional arguments and keywords as they were (torch's exception
+    logging reads them)."""
     count = len(args)
     tensor_list = args[0] if count else kwargs["tensor_list"]
     tensor = args[1] if count > 1 else kwargs["tensor"]
     group = args[2] if count > 2 else kwargs.get("group")
     async_op = args[3] if count > 3 else kwargs.get("async_op", False)
-    return _handle((args, kwargs), tensor_list, tensor, group, async_op, check, elide, verify)
+    return _handle((args, kwargs), tensor_list, tensor, group, async_op, check, elide, verify, asked=True)
 
 
 # A call as torch's all_gather is to receive it where memgather falls back: (args, kwargs).
@@ -101,9 +102,10 @@ _Call = Tuple[Tuple[Any, ...], Dict[str, Any]]
 
 
 def _handle(call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: Optional[bool],
-            elide: Optional[bool], verify: Optional[bool]) -> Any:
+            elide: Optional[bool], verify: Optional[bool], asked: bool = False) -> Any:
+    """``asked``: ``quick_reason`` was asked already (by ``torch_at_once``), and found none."""
     check = _settings.check if check is None else check
-    if not check:
+    if not check and not asked:
         reason = planner.quick_reason(tensor_list, tensor, group)
         if reason is not None:
             return to_torch(reason, *call)
