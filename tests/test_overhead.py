@@ -44,6 +44,39 @@ def test_the_nccl_threshold_setting_moves_it(setting: str, expected: str) -> Non
     assert out.strip() == expected
 
 
+def test_a_threshold_changed_by_a_later_patch_reaches_the_fast_path() -> None:
+    """The threshold a group's calls were found under is kept (planner._known) until the next patch()."""
+    out = run_on_fake("""
+        import os
+        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = str(2 << 20)
+        memgather.patch(["user_code"])
+        for _ in range(2):
+            user["call"](1 << 20)  # the group described, then the fast path: under 2 MiB per rank
+        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"
+        memgather.patch(["user_code"])
+        user["call"](1 << 20)  # the same group and device: rewired now
+        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = str(2 << 20)
+        memgather.unpatch()  # reads the settings again, for direct calls
+        memgather.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4))
+        print(dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
+    """, {})
+    assert out.strip() == "{'fallback': 3, 'rebind': 1} {'below_threshold': 3}"
+
+
+def test_a_new_default_group_of_another_size_is_not_taken_for_the_old_one() -> None:
+    """What the old group's calls took (its world of 2) must not decide for a world of 3."""
+    out = run_on_fake("""
+        memgather.patch(["user_code"])
+        user["call"](64 << 10)
+        user["call"](64 << 10)  # fast path: below the threshold, two slots for a world of 2
+        dist.destroy_process_group()  # the old group may be freed, and the new one take its id
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+        user["call"](64 << 10)  # two slots: wrong for 3 (the fake backend does not mind)
+        print(dict(memgather.stats().fallbacks))
+    """, {})
+    assert out.strip() == "{'below_threshold': 2, 'wrong_length': 1}", out
+
+
 def test_a_call_with_check_on_takes_the_full_path() -> None:
     out = run_on_fake("""
         memgather.patch(["user_code"], check=True)
