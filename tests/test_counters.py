@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Iterator, List
 
 import pytest
@@ -79,3 +80,28 @@ def test_fallbacks_keep_their_place_among_the_strategies_and_reset_to_nothing() 
     counters.record_fallback(None)
     after = counters.stats()
     assert dict(after.by_strategy) == {"fallback": 1} and dict(after.fallbacks) == {}
+
+
+def test_no_snapshot_shows_a_fallback_count_of_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that comes while the first fallback of a reason is being counted sees it counted."""
+    stepping = threading.Event()
+
+    class SlowTally(counters._Tally):  # a thread switch inside each step, made long
+        def __init__(self) -> None:
+            super().__init__()
+            step = self.add
+
+            def add() -> int:
+                stepping.set()
+                time.sleep(0.3)
+                return step()
+
+            self.add = add  # type: ignore[method-assign]
+
+    monkeypatch.setattr(counters, "_Tally", SlowTally)
+    counting = threading.Thread(target=counters.record_fallback, args=("below_threshold",))
+    counting.start()
+    assert stepping.wait(timeout=5)
+    snapshot = counters.stats()
+    counting.join()
+    assert dict(snapshot.by_strategy) == {"fallback": 1} and dict(snapshot.fallbacks) == {"below_threshold": 1}

@@ -9,6 +9,7 @@ import torch
 
 from memgather import config
 from memgather.engine import core, groups, planner
+from tests.conftest import run_on_fake
 
 
 class _Group:
@@ -42,6 +43,16 @@ def test_a_new_group_at_a_freed_groups_address_is_worked_out_again() -> None:
     assert known is not None and known.info is new_info  # not the freed group's world of 2
 
 
+def test_what_a_group_takes_goes_with_the_group_and_stays_while_it_lives() -> None:
+    alive = [_Group() for _ in range(300)]  # more groups than any bound a cache might have
+    for group in alive:
+        planner._learn(group, groups.GroupInfo(2, 0, "gloo"), "cpu")
+    assert all(planner._on_device(group, torch.ones(2), None) is not None for group in alive)
+    del group
+    alive.pop()
+    assert len(planner._known) == 299  # the freed group's entry went with it
+
+
 def test_what_a_group_takes_is_kept_per_device_type_and_emptied_by_configure() -> None:
     group = _Group()
     info = groups.GroupInfo(2, 0, "cpu:gloo,cuda:nccl", "legacy")
@@ -54,3 +65,35 @@ def test_what_a_group_takes_is_kept_per_device_type_and_emptied_by_configure() -
     planner.configure(config.Settings(gloo_min_bytes=0))
     assert planner._on_device(group, torch.ones(2), None) is None  # emptied; the group is not described here
     assert planner._on_device(group, torch.ones(2), info).limit == 0  # worked out again, under the new setting
+
+
+def test_a_call_working_out_its_group_while_configure_runs_keeps_nothing_from_before() -> None:
+    """A thread paused inside _learn, after it read the thresholds, while another's patch() sets new
+    ones: its entry must not outlive that configure() (the later calls here were left to torch)."""
+    out = run_on_fake("""
+        import threading, time
+        from memgather import config
+        from memgather.engine import routes
+        t = torch.ones(16 << 10)  # 64 KiB per rank: under the default 1 MiB threshold
+        call = lambda: memgather.all_gather([torch.empty_like(t), torch.empty_like(t)], t)
+        call()  # the group described
+        core.configure(config.Settings())  # what it takes forgotten, as by any patch()
+        original, paused = routes.choose, threading.Event()
+        def slow_choose(*args, **kwargs):  # _learn calls it after reading the thresholds
+            if threading.current_thread().name == "worker":
+                paused.set()
+                time.sleep(0.2)
+            return original(*args, **kwargs)
+        routes.choose = slow_choose
+        worker = threading.Thread(target=call, name="worker")
+        worker.start()
+        assert paused.wait(timeout=5)
+        core.configure(config.Settings(nccl_min_bytes=0))  # another thread's patch(): rewire everything
+        worker.join()
+        routes.choose = original
+        memgather.reset_stats()
+        for _ in range(3):
+            call()
+        print(dict(memgather.stats().by_strategy))
+    """)
+    assert out.strip() == "{'rebind': 3}"

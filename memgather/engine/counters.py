@@ -103,8 +103,13 @@ def record_fallback(reason: Optional[str]) -> None:
     tally = _fallbacks.get(reason)
     if tally is None:
         with _lock:
-            tally = _fallbacks.setdefault(reason, _Tally())
-            _strategies.setdefault("fallback", 0)  # its place among the strategies: where it first came
+            if reason not in _fallbacks:
+                # Counted before a reader can see it: no snapshot shows a fallback count of 0.
+                _fallbacks[reason] = _Tally()
+                _fallbacks[reason].add()
+                _strategies.setdefault("fallback", 0)  # its place among the strategies: where it first came
+                return
+            tally = _fallbacks[reason]
     tally.add()
 
 
@@ -138,7 +143,7 @@ def reset_stats() -> None:
     with _lock:
         _strategies.clear()
         _routes.clear()
-        _fallbacks.clear()  # a call counting at this moment may count into a dropped tally: unseen, as it raced the reset
+        _fallbacks.clear()  # a call counting at this moment may count into a dropped tally: as if it came just before
         _bytes_saved = 0
         _verified = 0
         _elided = 0

@@ -11,6 +11,7 @@ is worked out once and kept (``_known``).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -22,8 +23,9 @@ from memgather import compat, config
 from memgather.engine import elision, groups, routes
 from memgather.engine.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback, fill_in_slots, plan
 
-_gloo_min_bytes: Optional[int] = None
-_nccl_min_bytes: Optional[int] = None
+# (MEMGATHER_GLOO_MIN_BYTES, MEMGATHER_NCCL_MIN_BYTES); a new tuple each configure().
+_thresholds: Tuple[Optional[int], Optional[int]] = (None, None)
+
 
 class _OnDevice(NamedTuple):
     """What calls with tensors of one device type on one group take: worked out once."""
@@ -37,10 +39,10 @@ class _OnDevice(NamedTuple):
 
 # (id of a process group, a device type) -> what its calls take. ``quick_reason`` asks on every
 # small call, the most frequent kind, and finds here all it needs in one lookup; ``decide`` finds
-# its route. Emptied by configure(), which may change the thresholds, and past _MAX_KNOWN entries
-# (groups created again and again).
+# its route. An entry goes with its group (as groups.py's do), and all go when configure() may
+# change the thresholds. Read without a lock; _lock keeps configure() and _learn's store apart.
 _known: Dict[Tuple[int, str], _OnDevice] = {}
-_MAX_KNOWN = 256
+_lock = threading.Lock()
 NCCL2 = -1
 # Bound once: an Enum member read through its class costs a tenth of a microsecond a call.
 _NCCL2, _BELOW_THRESHOLD = Reason.NCCL2, Reason.BELOW_THRESHOLD
@@ -48,9 +50,10 @@ _NCCL2, _BELOW_THRESHOLD = Reason.NCCL2, Reason.BELOW_THRESHOLD
 
 def configure(settings: config.Settings) -> None:
     """Take the thresholds of ``settings`` (``core.configure`` passes them on)."""
-    global _gloo_min_bytes, _nccl_min_bytes
-    _gloo_min_bytes, _nccl_min_bytes = settings.gloo_min_bytes, settings.nccl_min_bytes
-    _known.clear()
+    global _thresholds
+    with _lock:
+        _thresholds = (settings.gloo_min_bytes, settings.nccl_min_bytes)
+        _known.clear()
 
 
 class Decision(NamedTuple):  # not a frozen dataclass: its __init__ costs three times as much, every call
@@ -165,23 +168,34 @@ def _on_device(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo
 
 def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _OnDevice:
     """Work out what calls with tensors of ``device_type`` on ``pg`` take, and keep it."""
+    thresholds = _thresholds  # one pair for the whole entry
     backend, device = routes.backend_on(info.backend, device_type), torch.device(device_type)
     if info.nccl == "nccl2" and device_type == "cuda":
         limit = NCCL2
     else:
-        limit = routes.gathered_limit(backend, device_type, info.nccl, info.world, _gloo_min_bytes, _nccl_min_bytes)
+        limit = routes.gathered_limit(backend, device_type, info.nccl, info.world, *thresholds)
     gloo_single = compat.gloo_has_single_tensor()
     synchronous = routes.choose(backend, device, False, gloo_single, info.nccl)
     single = routes.single_route(backend, device, gloo_single, info.nccl)
+    key = (id(pg), device_type)
     try:
-        reference = weakref.ref(pg)
+        reference = weakref.ref(pg, lambda ref: _forget(key, ref))
     except TypeError:  # a group object that takes no weak reference: worked out every time
         return _OnDevice(lambda: pg, info, limit, synchronous, single)
     known = _OnDevice(reference, info, limit, synchronous, single)
-    if len(_known) >= _MAX_KNOWN:
-        _known.clear()
-    _known[(id(pg), device_type)] = known
+    with _lock:
+        # A configure() since the thresholds were read: this call goes by them, the next ones by the new.
+        if _thresholds is thresholds:
+            _known[key] = known
     return known
+
+
+def _forget(key: Tuple[int, str], reference: Any) -> None:
+    """Drop the entry of a group just freed (its weak reference's callback; no lock: a collection
+    may run it inside _learn's). Only if the entry is still that group's."""
+    known = _known.get(key)
+    if known is not None and known.group is reference:
+        _known.pop(key, None)
 
 
 def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
