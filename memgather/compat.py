@@ -105,7 +105,13 @@ def outside_modes() -> ContextManager[Any]:
         stack.enter_context(_disable_current_modes())
     disable_functorch = getattr(torch._C, "_DisableFuncTorch", None)
     if disable_functorch is not None:
-        stack.enter_context(disable_functorch())
+        guard = disable_functorch()
+        if hasattr(guard, "__enter__"):
+            stack.enter_context(guard)
+        else:  # torch 1.13: a guard that holds while it lives, not a context manager
+            holder = [guard]
+            del guard
+            stack.callback(holder.clear)  # its last reference, dropped as the block ends
     return stack
 
 
@@ -328,10 +334,12 @@ increment_versions: Callable[[Sequence[torch.Tensor]], None] = _find_increment_v
 
 
 def not_a_group(group: Any) -> bool:
-    """Neither None, a ProcessGroup, nor torch's marker for a rank outside a subgroup (an int)."""
-    if group is None or isinstance(group, dist.ProcessGroup):
+    """Neither None, a ProcessGroup, nor torch's marker for a rank outside a subgroup (an int; up
+    to torch 2.0, a plain ``object()``)."""
+    marker = dist.GroupMember.NON_GROUP_MEMBER
+    if group is None or isinstance(group, dist.ProcessGroup) or group is marker:
         return False
-    return not (type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER)
+    return not (type(group) is int and group == marker)
 
 
 def rank_not_in_group(group: Any) -> bool:

@@ -31,6 +31,8 @@ MEASURED = {
 }
 RELEASE = Version(torch.__version__).release[:2]
 CURRENT: Optional[Facts] = MEASURED.get(RELEASE)
+# torch.autograd.Function's setup_context (a forward without ctx) arrived in torch 2.0.
+HAS_SETUP_CONTEXT = RELEASE >= (2, 0)
 
 
 def gloo_gathers_empty_tensors() -> bool:

@@ -488,6 +488,16 @@ def _compiling(pools: Any) -> Counter:
     ))
 
 
+def _vmap() -> Callable[..., Any]:
+    """functorch's vmap: torch.func's (torch 2.0 on), else the functorch package's (torch 1.13,
+    whose torch.vmap is an older transform that makes no functorch wrappers)."""
+    if hasattr(torch, "func"):
+        return torch.func.vmap
+    import functorch
+
+    return functorch.vmap
+
+
 def vmapped_gathers(ctx: Any) -> Dict[str, Any]:
     """all_gather inside torch.vmap, by torch then by memgather: the outcome (values or error)."""
 
@@ -498,7 +508,7 @@ def vmapped_gathers(ctx: Any) -> Dict[str, Any]:
             return torch.stack(slots)
 
         try:
-            return ["ok", torch.vmap(gather)(torch.arange(6.0).reshape(2, 3) + 10 * ctx.rank).tolist()]
+            return ["ok", _vmap()(gather)(torch.arange(6.0).reshape(2, 3) + 10 * ctx.rank).tolist()]
         except Exception as error:  # noqa: BLE001 - the error is the outcome compared
             return ["raise", type(error).__name__, str(error)]
 
@@ -652,6 +662,7 @@ _BAD_ARGUMENTS = """
 def _bad_arguments(pools: Any) -> Counter:
     """Arguments torch's all_gather does not take, from a target (check off and on): torch's own
     TypeError, word for word; and a group that is not a process group, torch's own error."""
+    _skip_without_fake_backend()
     counted: Counter = Counter()
     for check in (False, True):
         torchs, memgathers, fallbacks = json.loads(run_on_fake(_BAD_ARGUMENTS.replace("CHECK", str(check))))

@@ -19,12 +19,16 @@ import pytest
 import torch
 
 import memgather
+from memgather import compat
 from memgather.patching import callers
 from tests.conftest import EAGER, unwrap
+from tests.releases import HAS_SETUP_CONTEXT
 
 SITES = Path(__file__).resolve().parent / "sites"
 TARGET, OTHER = "tests.sites.function_appliers", "tests.sites.other_appliers"
-APPLIERS = ("gather_layer", "setup_context_gather", "local_gather", "nested", "torch_nn")
+# setup_context_gather's Function has a forward without ctx: torch 1.13 calls it with one.
+APPLIERS = ("gather_layer", *(("setup_context_gather",) if HAS_SETUP_CONTEXT else ()), "local_gather", "nested",
+            "torch_nn")
 
 
 def _appliers(name: str) -> Any:
@@ -93,7 +97,9 @@ def test_gathers_inside_functions_follow_the_applier(pools: Any, world: int, eli
             # Elision (off by default: no audited site) hands out the buffer for a stack / cat of
             # slots without history only. Inside Nested's forward grad mode is off, so there the
             # slots have none even when the input requires grad; the result gets NestedBackward.
-            may = module == TARGET and elide is True and (not grad or applier == "nested")
+            # (Where this torch lets memgather prove that nothing else holds the buffer: 2.1 on.)
+            may = (module == TARGET and elide is True and (not grad or applier == "nested")
+                   and compat.can_prove_alias_free())
             assert mine["elided"] <= int(may), outcome
             expected, elided = expected + may, elided + mine["elided"]
     # On a loaded machine gloo's worker can hold the buffer past memgather's bounded wait
@@ -120,6 +126,7 @@ def direct_then_applied(ctx: Any) -> List[int]:
     return counts
 
 
+@pytest.mark.skipif(not HAS_SETUP_CONTEXT, reason=f"torch {torch.__version__} has no setup_context-style Function")
 def test_a_forward_called_directly_does_not_fix_the_decision_for_its_code(pools: Any) -> None:
     # Where Function.apply is C (torch 2.14+) nothing tells this forward from a plain function,
     # so its own module (not a target) is the caller: the documented limit (docs/targets.md).
