@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -97,12 +97,7 @@ def outside_modes() -> ContextManager[Any]:
     """A block that no torch function or dispatch mode, subclass hook or functorch transform sees."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch._C.DisableTorchFunction())
-    try:
-        from torch.utils._python_dispatch import _disable_current_modes
-    except ImportError:  # torch without Python dispatch modes
-        pass
-    else:
-        stack.enter_context(_disable_current_modes())
+    stack.enter_context(_dispatch_modes_off())
     disable_functorch = getattr(torch._C, "_DisableFuncTorch", None)
     if disable_functorch is not None:
         guard = disable_functorch()
@@ -113,6 +108,33 @@ def outside_modes() -> ContextManager[Any]:
             del guard
             stack.callback(holder.clear)  # its last reference, dropped as the block ends
     return stack
+
+
+@contextlib.contextmanager
+def _dispatch_modes_off() -> Iterator[None]:
+    """A block that no Python dispatch mode sees: torch's own switch, or (torch 1.13, which has
+    none) the modes popped off torch's stack and pushed back in order afterwards."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:
+        pass
+    else:
+        with _disable_current_modes():
+            yield
+        return
+    try:
+        from torch.utils._python_dispatch import _pop_mode, _push_mode
+    except ImportError:  # torch without Python dispatch modes
+        yield
+        return
+    popped = []
+    try:
+        while dispatch_mode_active():
+            popped.append(_pop_mode())
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
 
 
 def subclass_hooks_off() -> ContextManager[Any]:
