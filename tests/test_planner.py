@@ -101,3 +101,16 @@ def test_a_call_working_out_its_group_while_configure_runs_keeps_nothing_from_be
         print(dict(memgather.stats().by_strategy))
     """)
     assert out.strip() == "{'rebind': 3}"
+
+
+def test_meta_tensors_go_to_torch_with_check_on_as_with_it_off() -> None:
+    """Meta tensors have no data: check mode's exchange of them raised where torch's call does not."""
+    out = run_on_fake("""
+        t = torch.ones(4, device="meta")
+        slots = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(slots, t)  # torch's call: fine on this backend
+        memgather.all_gather(slots, t, check=True)
+        gathered = memgather.gather(t, check=True)
+        print(tuple(gathered.shape), gathered.device, dict(memgather.stats().fallbacks))
+    """)
+    assert out.strip() == "(8,) meta {'backend': 2}"

@@ -204,6 +204,10 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
         return Reason.NOT_A_TENSOR
     if has_torch_function((tensor,)):
         return Reason.TORCH_FUNCTION
+    if tensor.is_meta:
+        # No data: nothing to lay out, and no exchange for check mode either (its rows would be meta
+        # tensors too). torch's call does with it whatever it does.
+        return Reason.BACKEND
     if compat.is_compiling():
         return Reason.COMPILING
     if tensor.is_cuda and compat.graph_capturing():
