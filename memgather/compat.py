@@ -93,6 +93,20 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 _subclass_hooks_off = getattr(torch._C, "DisableTorchFunctionSubclass", None)
 
 
+def _find_dispatch_mode_active() -> Callable[[], bool]:
+    length = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    if length is not None:
+        return lambda: length() > 0
+    current = getattr(torch._C, "_get_torch_dispatch_mode", None)  # torch 1.13: one mode at most
+    if current is not None:
+        return lambda: current() is not None
+    return lambda: False
+
+
+# Whether a Python ``TorchDispatchMode`` is active (it sees every aten call torch makes).
+dispatch_mode_active: Callable[[], bool] = _find_dispatch_mode_active()
+
+
 def outside_modes() -> ContextManager[Any]:
     """A block that no torch function or dispatch mode, subclass hook or functorch transform sees."""
     stack = contextlib.ExitStack()
@@ -202,7 +216,8 @@ def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
 
 # What a tensor nobody else knows reports here; calibrated rather than
 # hard-coded, since torch and CPython differ in the references they add.
-with torch.inference_mode(False):
+# Outside any mode the importer may be in: a fake tensor's counts would calibrate nothing.
+with torch.inference_mode(False), outside_modes():
     _SOLE_HOLDER_COUNTS = _storage_counts(torch.empty(1)) if _use_count is not None else (0, 0)
 
 # Handles to the tensor itself (not its storage) held in C++: a DLPack capsule,
@@ -214,7 +229,7 @@ def _find_set_versions() -> Optional[Callable[[Sequence[torch.Tensor], Sequence[
     setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
     if setter is None:
         return None
-    with torch.inference_mode(False):  # memgather may be imported first inside inference mode
+    with torch.inference_mode(False), outside_modes():  # memgather may be imported inside either
         probe = torch.empty(0)
     try:  # torch 2.2 on: sequences of tensors and versions, set in one call
         setter((probe,), (0,))
@@ -339,7 +354,7 @@ increment_version: Callable[[torch.Tensor], None] = _find_increment_version()
 
 
 def _find_increment_versions() -> Callable[[Sequence[torch.Tensor]], None]:
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), outside_modes():
         probe = torch.empty(0)
     try:  # torch 2.4 on: a sequence, each tensor bumped once (a counter two of them share, twice)
         increment_version((probe,))  # type: ignore[arg-type]
@@ -418,20 +433,6 @@ def default_nccl_flavour(version: str, use_nccl2: Optional[str]) -> str:
     if release >= NCCL2_OPT_IN_SINCE and use_nccl2 == "1":
         return "nccl2"
     return "legacy"
-
-
-def _find_dispatch_mode_active() -> Callable[[], bool]:
-    length = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    if length is not None:
-        return lambda: length() > 0
-    current = getattr(torch._C, "_get_torch_dispatch_mode", None)  # torch 1.13: one mode at most
-    if current is not None:
-        return lambda: current() is not None
-    return lambda: False
-
-
-# Whether a Python ``TorchDispatchMode`` is active (it sees every aten call torch makes).
-dispatch_mode_active: Callable[[], bool] = _find_dispatch_mode_active()
 
 
 def graph_capturing() -> bool:
