@@ -14,6 +14,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from memgather import compat
 from tests.conftest import EAGER, unwrap
 from tests.jobs import environment
 
@@ -46,9 +47,13 @@ def views_versions(ctx: Any, numel: int, async_op: bool) -> Dict[str, Any]:
 @pytest.mark.parametrize("numel,async_op", [(BIG, False), (BIG, True), (5, False)], ids=["broadcast", "single", "small"])
 def test_shared_version_counters_move_as_under_torch(pools: Any, world: int, numel: int, async_op: bool) -> None:
     for result in unwrap(pools(world, **EAGER).run(views_versions, numel, async_op)):
+        if result["memgather"] != result["torch"] and not compat.can_set_version():
+            pytest.xfail(f"torch {torch.__version__} cannot set a version counter back: memgather's own set_ and "
+                         f"copies leave it ahead of torch's (docs/torch-releases.md): {result}")
         assert result["memgather"] == result["torch"], result
         assert result["torch"][0] == 1 + world  # one bump per slot on the shared counter
-        assert result["rewired"] == 1
+        # An async call has no route where gloo has no single-tensor call (torch < 2.2): torch's, then.
+        assert result["rewired"] == (0 if async_op and not compat.gloo_has_single_tensor() else 1)
 
 
 def async_on_rank_zero(ctx: Any, check: bool) -> Dict[str, Any]:
@@ -69,8 +74,11 @@ def async_on_rank_zero(ctx: Any, check: bool) -> Dict[str, Any]:
 
 
 def test_async_on_one_rank_with_check_falls_back_on_every_rank(pools: Any) -> None:
-    for result in unwrap(pools(2).run(async_on_rank_zero, True)):
-        assert result == {"correct": True, "fallbacks": {"peer_fallback": 1}}, result
+    for rank, result in enumerate(unwrap(pools(2).run(async_on_rank_zero, True))):
+        # Where gloo has no single-tensor call (torch < 2.2), rank 0's async call has no route of its
+        # own: it falls back for that reason, and tells the other rank, which falls back for it.
+        own = "backend" if rank == 0 and not compat.gloo_has_single_tensor() else "peer_fallback"
+        assert result == {"correct": True, "fallbacks": {own: 1}}, result
 
 
 def under_a_keeping_mode(ctx: Any, watched: List[int]) -> Dict[str, Any]:
