@@ -289,7 +289,7 @@ def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
 
 
 def can_set_version() -> bool:
-    """Whether this torch lets memgather set a version counter (torch 2.1 on)."""
+    """Whether this torch lets memgather set a version counter (torch 2.0 on)."""
     return _set_versions is not None
 
 
