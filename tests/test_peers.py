@@ -180,8 +180,13 @@ def test_the_exit_report_names_the_rank_of_the_default_group_at_exit(tmp_path: A
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), *ports], stderr=subprocess.PIPE, text=True,
                               env=env) for rank in range(2)]
     reports = []
-    for rank, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        reports.append([line.split("]")[0] for line in err.splitlines() if line.startswith("[memgather rank")])
+    try:
+        for rank, proc in enumerate(procs):
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            reports.append([line.split("]")[0] for line in err.splitlines() if line.startswith("[memgather rank")])
+    finally:
+        for proc in procs:  # a rank stuck in its rendezvous must not outlive the test (it spun a core)
+            proc.kill()
+            proc.wait()
     assert reports == [["[memgather rank 1"], ["[memgather rank 0"]], reports
