@@ -90,13 +90,9 @@ def quick_reason(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
     limit = known.limit
     if limit == NCCL2:
         return _NCCL2
-    if limit and type(tensor_list) is list and len(tensor_list) == known.info.world:
-        gathered = 0
-        for slot in tensor_list:
-            if not isinstance(slot, torch.Tensor):
-                return None
-            gathered += slot.numel() * slot.element_size()
-        if gathered < limit:
+    if limit:
+        gathered = _gathered_bytes(tensor_list, known.info.world)
+        if gathered is not None and gathered < limit:
             return _BELOW_THRESHOLD
     return None
 
