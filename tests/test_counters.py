@@ -105,3 +105,34 @@ def test_no_snapshot_shows_a_fallback_count_of_zero(monkeypatch: pytest.MonkeyPa
     snapshot = counters.stats()
     counting.join()
     assert dict(snapshot.by_strategy) == {"fallback": 1} and dict(snapshot.fallbacks) == {"below_threshold": 1}
+
+
+_HANDLER_READS_INSIDE_A_COUNT = """
+import signal
+from collections import Counter
+from memgather.engine import counters
+
+seen = []
+signal.signal(signal.SIGUSR1, lambda *_: seen.append(counters.stats()))
+
+
+class Interrupted(Counter):
+    # The handler runs at the next instruction boundary: still inside record()'s locked block.
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        signal.raise_signal(signal.SIGUSR1)
+
+
+counters._strategies = Interrupted()
+counters.record("direct", route="single_staged", saved=8)
+print(seen[0].by_strategy["direct"], counters.stats().by_route["single_staged"])
+"""
+
+
+def test_a_signal_handler_reading_stats_inside_a_count_does_not_deadlock() -> None:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _HANDLER_READS_INSIDE_A_COUNT], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1"]

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Dict, Mapping, Optional
 
-_lock = threading.Lock()
+# Re-entrant: a signal handler runs on the thread it interrupts, and one that reads
+# ``memgather.stats()`` (a progress dump on SIGUSR1) may land inside a count that holds the lock.
+_lock = threading.RLock()
 _strategies: Counter = Counter()
 _routes: Counter = Counter()
 
@@ -32,7 +34,8 @@ class _Tally:
         self._reads = 0
 
     def value(self) -> int:
-        """Steps taken by ``add`` so far (callers hold ``_lock``: one reader at a time)."""
+        """Steps taken by ``add`` so far (callers hold ``_lock``: one reader at a time, but for a
+        signal handler's read landing inside another read, which may count one step too many)."""
         steps = self.add() - self._reads
         self._reads += 1
         return steps
