@@ -64,14 +64,14 @@ def test_nccl_by_flavour(backend: str, flavour: Any, expected: object) -> None:
     ],
 )
 def test_below_threshold(backend: str, device_type: str, flavour: Any, per_rank: int, below: bool) -> None:
-    assert routes.below_threshold(backend, device_type, flavour, per_rank * 3, 3) is below
+    assert (per_rank * 3 < routes.gathered_limit(backend, device_type, flavour, 3)) is below
 
 
 def test_thresholds_are_adjustable() -> None:
-    assert not routes.below_threshold("gloo", "cpu", None, 8, 2, gloo_min_bytes=0)
-    assert routes.below_threshold("gloo", "cpu", None, 4 * MIB, 2, gloo_min_bytes=4 * MIB)
-    assert not routes.below_threshold("nccl", "cuda", "legacy", 8, 2, nccl_min_bytes=0)
-    assert routes.below_threshold("nccl", "cuda", "legacy", 4 * MIB, 2, nccl_min_bytes=4 * MIB)
+    assert routes.gathered_limit("gloo", "cpu", None, 2, gloo_min_bytes=0) == 0
+    assert routes.gathered_limit("gloo", "cpu", None, 2, gloo_min_bytes=4 * MIB) == 8 * MIB
+    assert routes.gathered_limit("nccl", "cuda", "legacy", 2, nccl_min_bytes=0) == 0
+    assert routes.gathered_limit("nccl", "cuda", "legacy", 2, nccl_min_bytes=4 * MIB) == 8 * MIB
 
 
 def test_nccl_flavour_is_told_by_the_groups_cuda_backend_class() -> None:

@@ -114,12 +114,6 @@ def nccl_threshold(setting: Optional[int]) -> int:
     return NCCL_MIN_BYTES_PER_RANK if setting is None else setting
 
 
-def below_threshold(backend: str, device_type: str, nccl_flavour: Optional[str], gathered_bytes: int, world: int,
-                    gloo_min_bytes: Optional[int] = None, nccl_min_bytes: Optional[int] = None) -> bool:
-    """Whether a call is under its backend's threshold, and so left to torch (``gathered_limit``)."""
-    return gathered_bytes < gathered_limit(backend, device_type, nccl_flavour, world, gloo_min_bytes, nccl_min_bytes)
-
-
 def gathered_limit(backend: str, device_type: str, nccl_flavour: Optional[str], world: int,
                    gloo_min_bytes: Optional[int] = None, nccl_min_bytes: Optional[int] = None) -> int:
     """The gathered bytes under which a call is left to torch (0: none is): the only place it is told.
