@@ -136,3 +136,40 @@ def test_a_signal_handler_reading_stats_inside_a_count_does_not_deadlock() -> No
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "1"]
+
+
+_HANDLERS_READ_WHILE_MAIN_READS = """
+import signal, threading, time
+from memgather.engine import counters
+
+for _ in range(5):
+    counters.record_fallback("below_threshold")
+seen = []
+signal.signal(signal.SIGUSR1, lambda *_: seen.append(counters.stats().fallbacks["below_threshold"]))
+main, stop = threading.get_ident(), threading.Event()
+
+
+def interrupt():
+    while not stop.is_set():
+        signal.pthread_kill(main, signal.SIGUSR1)
+        time.sleep(0.0002)
+
+
+threading.Thread(target=interrupt, daemon=True).start()
+read, end = [], time.monotonic() + 3
+while time.monotonic() < end:
+    read.append(counters.stats().fallbacks["below_threshold"])
+stop.set()
+print(len(seen) > 100, sorted(set(seen)), sorted(set(read)))
+"""
+
+
+def test_signal_handlers_reading_stats_while_the_thread_reads_read_exact_counts() -> None:
+    """Reading a count once took a step of its own: a handler's read landing inside another read
+    counted one too many, and the read it interrupted one too few (for the rest of that read)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _HANDLERS_READ_WHILE_MAIN_READS], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "True [5] [5]", done.stdout
