@@ -53,6 +53,8 @@ BAD_INPUTS: Dict[str, Any] = {
     "dtype_mismatch": lambda r, w: ([torch.empty(3, dtype=torch.float64) for _ in range(w)], filled(r), None),
     "device_mismatch": lambda r, w: ([torch.empty(3, device="meta") for _ in range(w)], filled(r), None),
     "meta_device": lambda r, w: ([torch.empty(3, device="meta") for _ in range(w)], torch.empty(3, device="meta"), None),
+    # int16: refused by gloo's collectives on every release (routes.GLOO_DTYPES)
+    "refused_dtype": lambda r, w: ([torch.ones(3, dtype=torch.int16) for _ in range(w)], filled(r, dtype=torch.int16), None),
     "uneven_slots": lambda r, w: ([torch.empty(4) for _ in range(w)], filled(r), None),
     "slot_requires_grad": lambda r, w: ([torch.zeros(3, requires_grad=True) for _ in range(w)], filled(r), None),
     "inference_slots": lambda r, w: (_inference_slots(w), filled(r), None),
@@ -109,14 +111,23 @@ def _slot_with_storage(rank: int, world: int) -> Tuple[List[torch.Tensor], torch
     return slots, filled(rank), storage_of(slots[0])
 
 
-def _outcome(fn: Any, build: Any, rank: int, world: int, **kwargs: Any) -> Tuple[str, Any]:
+def _outcome(fn: Any, build: Any, rank: int, world: int, **kwargs: Any) -> Tuple[Any, ...]:
     slots, given, keep = build(rank, world)
+    before = _where(slots)
     try:
         fn(slots, given, **kwargs)
     except Exception as error:  # noqa: BLE001 - the outcome is what we compare
-        return ("raise", type(error).__name__)
+        # torch raises before it writes: the slots must be as they were, where they were
+        return ("raise", type(error).__name__, _where(slots) == before)
     seen = keep if isinstance(keep, torch.Tensor) else None
     return ("ok", [as_bytes(s) for s in slots], as_bytes(seen) if seen is not None else None)
+
+
+def _where(slots: Any) -> List[Any]:
+    """Each slot's address, version counter and bytes (None for what is not a tensor)."""
+    return [(s.data_ptr(), None if s.is_inference() else s._version, as_bytes(s))
+            if isinstance(s, torch.Tensor) and not s.is_meta else None
+            for s in slots]
 
 
 def compare_bad_input(ctx: Any, name: str) -> Dict[str, Any]:
@@ -125,6 +136,22 @@ def compare_bad_input(ctx: Any, name: str) -> Dict[str, Any]:
     want = _outcome(dist.all_gather, build, ctx.rank, ctx.world)
     memgather.reset_stats()
     got = _outcome(memgather.all_gather, build, ctx.rank, ctx.world)
+    snapshot = memgather.stats()
+    return {"want": want, "got": got, "fallbacks": dict(snapshot.fallbacks), "strategy": dict(snapshot.by_strategy)}
+
+
+def compare_call(ctx: Any, name: str, numel: int, **kwargs: Any) -> Dict[str, Any]:
+    """Torch's outcome and memgather's for fresh slots of one BAD_INPUTS dtype case, the call
+    made with ``kwargs`` (torch's gets them too, but for memgather's own ``elide``)."""
+    dtype = torch.int16 if name == "refused_dtype" else torch.float32
+
+    def build(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+        return [torch.ones(numel, dtype=dtype) for _ in range(world)], filled(rank, (numel,), dtype), None
+
+    torch_kwargs = {key: value for key, value in kwargs.items() if key != "elide"}
+    want = _outcome(_waited(dist.all_gather, **torch_kwargs), build, ctx.rank, ctx.world)
+    memgather.reset_stats()
+    got = _outcome(_waited(memgather.all_gather, **kwargs), build, ctx.rank, ctx.world)
     snapshot = memgather.stats()
     return {"want": want, "got": got, "fallbacks": dict(snapshot.fallbacks), "strategy": dict(snapshot.by_strategy)}
 
@@ -149,9 +176,9 @@ def compare_peer_dependent(ctx: Any, numel: int, odd_on: int, async_op: bool = F
     return {"want": want, "got": got, "strategy": dict(snapshot.by_strategy), "fallbacks": dict(snapshot.fallbacks)}
 
 
-def _waited(function: Any, async_op: bool) -> Any:
+def _waited(function: Any, async_op: Any = False, **kwargs: Any) -> Any:
     def call(slots: Any, given: Any) -> None:
-        work = function(slots, given, async_op=async_op)
+        work = function(slots, given, async_op=async_op, **kwargs)
         if work is not None:
             work.wait()
 
@@ -239,6 +266,7 @@ EXPECTED_REASON = {
     "dtype_mismatch": "dtype_mismatch",
     "device_mismatch": "device_mismatch",
     "meta_device": "backend",
+    "refused_dtype": "unsupported_dtype",
     "uneven_slots": "uneven_slots",
     "slot_requires_grad": "slot_requires_grad",
     "inference_slots": "inference_tensor",
@@ -254,6 +282,8 @@ EXPECTED_REASON = {
 
 BIG = 655360  # float32 elements: 2.5 MiB per rank, on gloo's broadcast route
 SMALL = 3
+# Fresh slots, elision asked for: rebound where that can be proven safe, else filled where they lie.
+ELIDED_FRESH = {"rebind": 1} if compat.can_prove_exclusive() else {"in_slots": 1}
 
 
 # Not rebound (something else holds the slot's memory), but on gloo's broadcast route
@@ -299,6 +329,33 @@ def test_slot_memory_is_never_moved(pools: Any, name: str, async_op: bool) -> No
         assert "rebind" not in result["strategy"], f"rank {rank}: {result}"
         if async_op and compat.can_prove_exclusive():
             assert result["fallbacks"] == {"slot_memory": 1}, f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("numel", [SMALL, BIG], ids=["small", "broadcast"])
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("elide", [False, True], ids=["in-slots", "rebind"])
+def test_a_dtype_gloo_refuses_leaves_the_slots_as_torch_does(pools: Any, numel: int, async_op: bool, elide: bool) -> None:
+    """torch raises "Invalid scalar type" before it writes; memgather once copied the input into its
+    own slot first (in_slots), or rebound every slot (elide, async): same error, slots changed."""
+    for rank, result in enumerate(unwrap(pools(2, **EAGER).run(compare_call, "refused_dtype", numel,
+                                                                 async_op=async_op, elide=elide))):
+        assert result["want"][:3] == ("raise", "RuntimeError", True), f"rank {rank}: torch {result['want']}"
+        assert result["got"] == result["want"], f"rank {rank}: torch {result['want']}, memgather {result['got']}"
+        assert result["fallbacks"] == {"unsupported_dtype": 1}, f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None], ids=["string", "int", "none"])
+def test_an_async_op_that_is_not_a_bool_is_torchs_to_read(pools: Any, value: Any) -> None:
+    """torch hands async_op to its backend's options: a string raises there, after memgather had
+    rebound the slots; 1 works, as True does. Either way torch decides, with the slots where they
+    were. None reads as False, for torch and for memgather alike."""
+    for rank, result in enumerate(unwrap(pools(2, **EAGER).run(compare_call, "fresh", SMALL, async_op=value,
+                                                                 elide=True))):
+        assert result["got"] == result["want"], f"rank {rank}: torch {result['want']}, memgather {result['got']}"
+        if value is None:
+            assert result["strategy"] == ELIDED_FRESH, f"rank {rank}: {result}"
+        else:
+            assert result["fallbacks"] == {"bad_arguments": 1}, f"rank {rank}: {result}"
 
 
 def test_single_route_mixed_decisions_meet_on_the_wire(pools: Any) -> None:
@@ -726,6 +783,7 @@ REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.BACKEND: partial(_bad_input, "meta_device"),
     Reason.NCCL2: _nccl2,
     Reason.BELOW_THRESHOLD: _below_threshold,
+    Reason.UNSUPPORTED_DTYPE: partial(_bad_input, "refused_dtype"),
     Reason.TORCH_FUNCTION: partial(_bad_input, "input_torch_function"),
     Reason.DISPATCH_MODE: _dispatch_mode,
     Reason.FUNCTORCH: _functorch,

@@ -42,6 +42,17 @@ def test_gloo_gate_agrees_with_what_gloo_does(pools: Any) -> None:
             assert not result["works"] and "_allgather_base" in result["message"]
 
 
+def test_gloo_takes_exactly_the_dtypes_memgather_routes(pools: Any) -> None:
+    """Every dtype this torch has, through torch's all_gather on 2 gloo ranks: a dtype memgather
+    routes that gloo refused would see memgather write or rebind slots before torch's error;
+    one gloo took that memgather leaves to torch would be a saving missed (the list is then old)."""
+    from memgather.engine import routes
+
+    taken = {str(dtype) for dtype in routes.dtypes_taken("gloo", "cpu") or ()}
+    for result in unwrap(pools(2, POOL="gloo-dtypes").run(gloo_dtypes)):
+        assert set(result) == taken, f"gloo took {sorted(result)}, memgather routes {sorted(taken)}"
+
+
 def test_doctor_shows_each_backends_verdict_on_this_release() -> None:
     done = subprocess.run([sys.executable, "-m", "memgather", "doctor"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -105,3 +116,20 @@ def gloo_single_tensor_call(ctx: Any) -> Dict[str, Any]:
     except RuntimeError as error:
         return {"works": False, "message": str(error)}
     return {"works": True, "correct": torch.equal(out, torch.cat([filled(r) for r in range(ctx.world)]))}
+
+
+def gloo_dtypes(ctx: Any) -> Any:
+    """The dtypes torch's all_gather gathers here (each tried on every rank, in the same order)."""
+    dtypes = sorted({value for value in vars(torch).values() if isinstance(value, torch.dtype)}, key=str)
+    taken = []
+    for dtype in dtypes:
+        try:
+            given = torch.zeros(3, dtype=dtype)
+        except (RuntimeError, TypeError):
+            continue  # no tensor of it on this build's CPU
+        try:
+            torch.distributed.all_gather([torch.zeros_like(given) for _ in range(ctx.world)], given)
+        except RuntimeError:
+            continue
+        taken.append(str(dtype))
+    return taken

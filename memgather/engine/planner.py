@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ class _OnDevice(NamedTuple):
     limit: int  # gathered bytes under which a call goes to torch (0: none does; NCCL2: all do)
     synchronous: Optional[routes.Route]  # the route of a call at or above the limit (routes.choose)
     single: Optional[routes.Route]  # the single-tensor route (async calls, gather()): routes.single_route
+    dtypes: Optional[FrozenSet[torch.dtype]]  # what the backend's collectives take (None: any): routes.dtypes_taken
 
 
 # (id of a process group, a device type) -> what its calls take. ``quick_reason`` asks on every
@@ -102,6 +103,10 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
     reason = _precondition(tensor_list, tensor, group)
     if reason is not None:
         return Decision(fallback(reason))
+    if async_op is not False and async_op is not True and async_op is not None:
+        # torch reads it itself (a truthy int works, a string raises only once the backend is
+        # called): memgather would have taken a route, and moved the slots, by then.
+        return Decision(fallback(Reason.BAD_ARGUMENTS))
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
     with compat.subclass_hooks_off():
         info = groups.describe(group)
@@ -112,6 +117,9 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
         below = gathered is not None and gathered < max(known.limit, 0)
         # None for a malformed list, or where no route is known to be safe.
         route = None if below or gathered is None else (known.single if async_op else known.synchronous)
+        refused = route is not None and known.dtypes is not None and tensor.dtype not in known.dtypes
+        if refused:
+            route = None  # torch raises for it before any rank meets another: nothing to agree on
         # A dispatch mode would see memgather's own operations (its checks among them), and one that
         # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
         # Settled like a plan, in the exchange, so that ranks without the mode fall back too.
@@ -120,6 +128,8 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
             chosen = fallback(Reason.DISPATCH_MODE)
         elif below:
             chosen = fallback(Reason.BELOW_THRESHOLD)
+        elif refused:
+            chosen = fallback(Reason.UNSUPPORTED_DTYPE)
         else:
             chosen = _plan(route, tensor_list, tensor, info, gathered)
         if chosen.rewires and route is not None and route.in_place and chosen is not DIRECT and not elide \
@@ -173,12 +183,13 @@ def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _OnDevice:
     gloo_single = compat.gloo_has_single_tensor()
     synchronous = routes.choose(backend, device, False, gloo_single, info.nccl)
     single = routes.single_route(backend, device, gloo_single, info.nccl)
+    dtypes = routes.dtypes_taken(backend, device_type)
     key = (id(pg), device_type)
     try:
         reference = weakref.ref(pg, lambda ref: _forget(key, ref))
     except TypeError:  # a group object that takes no weak reference: worked out every time
-        return _OnDevice(lambda: pg, info, limit, synchronous, single)
-    known = _OnDevice(reference, info, limit, synchronous, single)
+        return _OnDevice(lambda: pg, info, limit, synchronous, single, dtypes)
+    known = _OnDevice(reference, info, limit, synchronous, single, dtypes)
     with _lock:
         # A configure() since the thresholds were read: this call goes by them, the next ones by the new.
         if _thresholds is thresholds:

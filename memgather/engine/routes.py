@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, List, Optional
+from typing import Any, FrozenSet, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,11 @@ RING = Route("ring", saves_temp=True, needs_agreement=True, in_place=True)
 # torch < 2.2, and int16 or unsigned ones on none.
 RING_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32,
                           torch.int64, torch.complex64, torch.complex128))
+# What gloo's collectives take, measured on every release tox runs (tests/test_routes.py): in
+# any other dtype torch's all_gather raises "Invalid scalar type" before it touches a slot,
+# where a rebind or an in-place route would already have moved or written them.
+GLOO_DTYPES = RING_DTYPES | {torch.complex32}
+GLOO_BOOL_BFLOAT16_SINCE = (2, 2)
 # The ring's transfers carry a tag of their own, so that a user's own isend / irecv in
 # flight on the same group (tag 0 by default) is never matched with memgather's.
 RING_TAG = 0x4D47
@@ -129,6 +134,15 @@ def gathered_limit(backend: str, device_type: str, nccl_flavour: Optional[str], 
     if (backend.startswith("nccl") and device_type == "cuda" and nccl_flavour == "legacy") or backend == "fake":
         return world * nccl_threshold(nccl_min_bytes)
     return 0
+
+
+def dtypes_taken(backend: str, device_type: str) -> Optional[FrozenSet[torch.dtype]]:
+    """The dtypes the backend's collectives take on this device type; None: any memgather may be asked about."""
+    if backend != "gloo" or device_type != "cpu":
+        return None  # NCCL checks the dtype before it writes, and memgather never rebinds CUDA memory
+    if compat._release(torch.__version__) >= GLOO_BOOL_BFLOAT16_SINCE:
+        return GLOO_DTYPES | {torch.bool, torch.bfloat16}
+    return GLOO_DTYPES
 
 
 def choose(backend: str, device: torch.device, async_op: bool, gloo_single: bool = True,

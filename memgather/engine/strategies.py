@@ -53,10 +53,11 @@ class Reason(str, enum.Enum):
     BACKEND = "backend"  # backend/device pair without a route known to be safe
     NCCL2 = "nccl2"  # ProcessGroupNCCL2 fills the slots itself: no temporary to save, another wire protocol
     BELOW_THRESHOLD = "below_threshold"  # gloo or legacy NCCL call too small to save anything
+    UNSUPPORTED_DTYPE = "unsupported_dtype"  # a dtype the backend's collectives refuse: torch raises, slots untouched
     TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
     DISPATCH_MODE = "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations (agreed on)
     FUNCTORCH = "functorch"  # input or a slot is a vmap / grad transform's wrapper: no storage of its own
-    BAD_ARGUMENTS = "bad_arguments"  # arguments all_gather's signature does not take: torch raises its TypeError
+    BAD_ARGUMENTS = "bad_arguments"  # arguments all_gather's signature does not take (or async_op not a bool): torch decides
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
     WRONG_LENGTH = "wrong_length"  # list length is not the group size
     NOT_A_TENSOR = "not_a_tensor"  # input or a slot is not a tensor
