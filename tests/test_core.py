@@ -64,6 +64,8 @@ def test_gather_equals_cat_of_all_gather(pools: Any, shape: Any, dtype: str, sub
         elif result["member"]:
             assert result["shape"] == result["want_shape"]
             assert result["equal"]
+            if compat.can_set_version():  # a new tensor, as cat's: torch 1.13.1 cannot set it back
+                assert result["versions"] == [0, 0], result
             # Small gathers take torch's single-tensor call where gloo has one (else torch's
             # list call, which records no route); big ones the broadcasts.
             small = {"single_staged": 1} if compat.gloo_has_single_tensor() else {}
@@ -238,7 +240,8 @@ def gather_result(ctx: Any, shape: Tuple[int, ...], dtype_name: str, subgroup: O
     if ref_raised:
         return {"member": True, "raised": [ref_raised, None]}
     return {"member": True, "shape": list(got.shape), "want_shape": list(want.shape), "equal": as_bytes(got) == as_bytes(want),
-            "routes": dict(memgather.stats().by_route), "strategies": dict(memgather.stats().by_strategy)}
+            "routes": dict(memgather.stats().by_route), "strategies": dict(memgather.stats().by_strategy),
+            "versions": [got._version, want._version]}
 
 
 def async_work(ctx: Any, numel: int) -> Dict[str, Any]:

@@ -155,9 +155,10 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
         # a history (torch.cat of torch's list gives none), nor trip autograd's in-place checks.
         with torch.no_grad():
             routes.run(route, out, tensor, group, False)
-        return out
-    pages.advise(out)
-    all_gather(slots.views(out, world, tensor.shape), tensor, group, check=check)
+    else:
+        pages.advise(out)
+        all_gather(slots.views(out, world, tensor.shape), tensor, group, check=check)
+    compat.set_version(out, 0)  # a new tensor, as torch.cat's result is: its writes were memgather's own
     return out
 
 
