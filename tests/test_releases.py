@@ -45,12 +45,18 @@ def test_gloo_gate_agrees_with_what_gloo_does(pools: Any) -> None:
 def test_gloo_takes_exactly_the_dtypes_memgather_routes(pools: Any) -> None:
     """Every dtype this torch has, through torch's all_gather on 2 gloo ranks: a dtype memgather
     routes that gloo refused would see memgather write or rebind slots before torch's error;
-    one gloo took that memgather leaves to torch would be a saving missed (the list is then old)."""
+    one gloo took that memgather leaves to torch is a saving missed (the list is then old)."""
     from memgather.engine import routes
 
     taken = {str(dtype) for dtype in routes.dtypes_taken("gloo", "cpu") or ()}
     for result in unwrap(pools(2, POOL="gloo-dtypes").run(gloo_dtypes)):
-        assert set(result) == taken, f"gloo took {sorted(result)}, memgather routes {sorted(taken)}"
+        assert taken <= set(result), f"gloo refused {sorted(taken - set(result))}, which memgather routes"
+        assert set(result) - taken <= LEFT_TO_TORCH, f"gloo took {sorted(set(result) - taken)}: route them?"
+
+
+# Gathered by gloo where torch has them (torch 2.15's complex bfloat16, sent as real bfloat16 views),
+# but left to torch: no differential test covers memgather's routes with them.
+LEFT_TO_TORCH = {"torch.bcomplex32"}
 
 
 def test_doctor_shows_each_backends_verdict_on_this_release() -> None:

@@ -81,7 +81,7 @@ RING = Route("ring", saves_temp=True, needs_agreement=True, in_place=True)
 # torch < 2.2, and int16 or unsigned ones on none.
 RING_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32,
                           torch.int64, torch.complex64, torch.complex128))
-# What gloo's collectives take, measured on every release tox runs (tests/test_routes.py): in
+# What gloo's collectives take, measured on every release tox runs (tests/test_releases.py): in
 # any other dtype torch's all_gather raises "Invalid scalar type" before it touches a slot,
 # where a rebind or an in-place route would already have moved or written them.
 GLOO_DTYPES = RING_DTYPES | {torch.complex32}
