@@ -446,3 +446,25 @@ profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_en
 def inference_mode_enabled() -> bool:
     """Whether inference mode is active (in-place writes to inference tensors allowed)."""
     return torch.is_inference_mode_enabled()
+
+
+def async_op_refused(value: Any) -> bool:
+    """Whether this torch's ``all_gather`` raises for ``value`` as its ``async_op``, before it writes.
+
+    From torch 2.12 (the first release tox runs that has it; 1.13.1 and 2.0.1 do not) it hands the
+    value to its options, whose bool field takes what pybind11 converts: None, numpy's bool, any
+    object with a truth value of its own (``0``, ``1.0``), not a string or a list. Where the options
+    have no such field, torch reads the value as a truth value only. Every value it takes means
+    its truth value, alike on every rank: ``0`` on one rank meets ``False`` on another.
+    """
+    if value is True or value is False or value is None:
+        return False
+    options_class = getattr(dist.distributed_c10d, "AllgatherOptions", None)
+    options = options_class() if options_class is not None else None
+    if not hasattr(options, "asyncOp"):
+        return False
+    try:
+        options.asyncOp = value
+    except TypeError:
+        return True
+    return False

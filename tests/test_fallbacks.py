@@ -142,13 +142,16 @@ def compare_bad_input(ctx: Any, name: str) -> Dict[str, Any]:
 
 def compare_call(ctx: Any, name: str, numel: int, **kwargs: Any) -> Dict[str, Any]:
     """Torch's outcome and memgather's for fresh slots of one BAD_INPUTS dtype case, the call
-    made with ``kwargs`` (torch's gets them too, but for memgather's own ``elide``)."""
+    made with ``kwargs`` (torch's gets them too, but for memgather's own ``elide`` and ``check``;
+    a tuple as ``async_op`` gives each rank its own)."""
     dtype = torch.int16 if name == "refused_dtype" else torch.float32
+    if isinstance(kwargs.get("async_op"), tuple):
+        kwargs["async_op"] = kwargs["async_op"][ctx.rank]
 
     def build(rank: int, world: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
         return [torch.ones(numel, dtype=dtype) for _ in range(world)], filled(rank, (numel,), dtype), None
 
-    torch_kwargs = {key: value for key, value in kwargs.items() if key != "elide"}
+    torch_kwargs = {key: value for key, value in kwargs.items() if key not in ("elide", "check")}
     want = _outcome(_waited(dist.all_gather, **torch_kwargs), build, ctx.rank, ctx.world)
     memgather.reset_stats()
     got = _outcome(_waited(memgather.all_gather, **kwargs), build, ctx.rank, ctx.world)
@@ -347,17 +350,37 @@ def test_a_dtype_gloo_refuses_leaves_the_slots_as_torch_does(pools: Any, numel: 
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None], ids=["string", "int", "none"])
-def test_an_async_op_that_is_not_a_bool_is_torchs_to_read(pools: Any, value: Any) -> None:
-    """torch hands async_op to its backend's options: a string raises there, after memgather had
-    rebound the slots; 1 works, as True does. Either way torch decides, with the slots where they
-    were. None reads as False, for torch and for memgather alike."""
+def test_an_async_op_torch_refuses_is_left_to_torch(pools: Any, value: Any) -> None:
+    """From torch 2.12 torch hands async_op to its backend's options: a string raises there, after
+    memgather had rebound the slots. 1 works, as True does, and None as False: memgather takes them
+    as torch does."""
     for rank, result in enumerate(unwrap(pools(2, **EAGER).run(compare_call, "fresh", SMALL, async_op=value,
                                                                  elide=True))):
         assert result["got"] == result["want"], f"rank {rank}: torch {result['want']}, memgather {result['got']}"
+        if compat.async_op_refused(value):
+            assert result["want"][:2] == ("raise", "TypeError"), f"rank {rank}: {result}"
+            assert result["fallbacks"] == {"bad_arguments": 1}, f"rank {rank}: {result}"
+        else:
+            assert "bad_arguments" not in result["fallbacks"], f"rank {rank}: {result}"
         if value is None:
             assert result["strategy"] == ELIDED_FRESH, f"rank {rank}: {result}"
-        else:
-            assert result["fallbacks"] == {"bad_arguments": 1}, f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["check-off", "check-on"])
+@pytest.mark.parametrize("values", [(0, False), ("numpy-false", False), (1, True)], ids=["0", "numpy", "1"])
+@pytest.mark.parametrize("numel", [SMALL, BIG], ids=["small", "broadcast"])
+def test_async_op_values_torch_reads_alike_meet_alike(pools: Any, values: Any, numel: int, check: bool) -> None:
+    """0 on one rank and False on another are one call to torch: a first version of the check
+    above sent the 0 to torch's list call and the False to the broadcasts, and gloo aborted."""
+    if values[0] == "numpy-false":
+        import numpy
+
+        values = (numpy.bool_(False), False)
+    env = EAGER if numel == SMALL else {}
+    for rank, result in enumerate(unwrap(pools(2, **env).run(compare_call, "fresh", numel, async_op=values,
+                                                                 check=check))):
+        assert result["got"] == result["want"], f"rank {rank}: torch {result['want']}, memgather {result['got']}"
+        assert result["want"][0] == "ok" and not result["fallbacks"].get("bad_arguments"), f"rank {rank}: {result}"
 
 
 def test_single_route_mixed_decisions_meet_on_the_wire(pools: Any) -> None:

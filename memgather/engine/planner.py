@@ -103,9 +103,9 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
     reason = _precondition(tensor_list, tensor, group)
     if reason is not None:
         return Decision(fallback(reason))
-    if async_op is not False and async_op is not True and async_op is not None:
-        # torch reads it itself (a truthy int works, a string raises only once the backend is
-        # called): memgather would have taken a route, and moved the slots, by then.
+    if async_op is not False and async_op is not True and compat.async_op_refused(async_op):
+        # torch raises for it, and only once it sets up its call: memgather would have taken a
+        # route, and moved the slots, by then. Any value torch takes goes by its truth value.
         return Decision(fallback(Reason.BAD_ARGUMENTS))
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
     with compat.subclass_hooks_off():

@@ -57,7 +57,7 @@ class Reason(str, enum.Enum):
     TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
     DISPATCH_MODE = "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations (agreed on)
     FUNCTORCH = "functorch"  # input or a slot is a vmap / grad transform's wrapper: no storage of its own
-    BAD_ARGUMENTS = "bad_arguments"  # arguments all_gather's signature does not take (or async_op not a bool): torch decides
+    BAD_ARGUMENTS = "bad_arguments"  # arguments all_gather's signature does not take, an async_op torch refuses
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
     WRONG_LENGTH = "wrong_length"  # list length is not the group size
     NOT_A_TENSOR = "not_a_tensor"  # input or a slot is not a tensor
