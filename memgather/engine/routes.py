@@ -85,6 +85,8 @@ RING_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int8
 # any other dtype torch's all_gather raises "Invalid scalar type" before it touches a slot,
 # where a rebind or an in-place route would already have moved or written them.
 GLOO_DTYPES = RING_DTYPES | {torch.complex32}
+# gloo took bool from torch 2.1 (pytorch#105354) and bfloat16 from 2.2 (pytorch#113557); tox measures
+# neither release, so both are routed from 2.2, the later one (2.1's bool calls stay with torch).
 GLOO_BOOL_BFLOAT16_SINCE = (2, 2)
 # The ring's transfers carry a tag of their own, so that a user's own isend / irecv in
 # flight on the same group (tag 0 by default) is never matched with memgather's.
