@@ -449,19 +449,25 @@ def inference_mode_enabled() -> bool:
 
 
 def async_op_refused(value: Any) -> bool:
-    """Whether this torch's ``all_gather`` raises for ``value`` as its ``async_op``, before it writes.
+    """Whether this torch's ``all_gather`` raises for ``value`` as its ``async_op``: memgather then
+    leaves the call to torch, which raises where it raises.
 
     From torch 2.12 (the first release tox runs that has it; 1.13.1 and 2.0.1 do not) it hands the
-    value to its options, whose bool field takes what pybind11 converts: None, numpy's bool, any
-    object with a truth value of its own (``0``, ``1.0``), not a string or a list. Where the options
-    have no such field, torch reads the value as a truth value only. Every value it takes means
-    its truth value, alike on every rank: ``0`` on one rank meets ``False`` on another.
+    value to its options before it gathers, and their bool field takes what pybind11 converts:
+    None, numpy's bool, any object with a truth value of its own (``0``, ``1.0``), not a string or a
+    list. Where the options have no such field, torch gathers first and then reads the value's
+    truth, which may raise (``torch.tensor([1, 2])``). Every value it takes means its truth value,
+    alike on every rank: ``0`` on one rank meets ``False`` on another.
     """
     if value is True or value is False or value is None:
         return False
     options_class = getattr(dist.distributed_c10d, "AllgatherOptions", None)
     options = options_class() if options_class is not None else None
     if not hasattr(options, "asyncOp"):
+        try:
+            bool(value)
+        except Exception:  # noqa: BLE001 - whatever it raises, torch raises it, after its gather
+            return True
         return False
     try:
         options.asyncOp = value

@@ -103,7 +103,7 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
     reason = _precondition(tensor_list, tensor, group)
     if reason is not None:
         return Decision(fallback(reason))
-    if async_op is not False and async_op is not True and compat.async_op_refused(async_op):
+    if not (async_op is False or async_op is True or async_op is None) and compat.async_op_refused(async_op):
         # torch raises for it, and only once it sets up its call: memgather would have taken a
         # route, and moved the slots, by then. Any value torch takes goes by its truth value.
         return Decision(fallback(Reason.BAD_ARGUMENTS))
