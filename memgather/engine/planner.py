@@ -104,8 +104,8 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
     if reason is not None:
         return Decision(fallback(reason))
     if not (async_op is False or async_op is True or async_op is None) and compat.async_op_refused(async_op):
-        # torch raises for it, and only once it sets up its call: memgather would have taken a
-        # route, and moved the slots, by then. Any value torch takes goes by its truth value.
+        # torch raises for it, where torch raises (setting up its call, or after its gather on old
+        # releases): memgather must not have moved a slot first. Any other value goes by its truth.
         return Decision(fallback(Reason.BAD_ARGUMENTS))
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
     with compat.subclass_hooks_off():

@@ -139,7 +139,7 @@ def gathered_limit(backend: str, device_type: str, nccl_flavour: Optional[str], 
 
 
 def dtypes_taken(backend: str, device_type: str) -> Optional[FrozenSet[torch.dtype]]:
-    """The dtypes the backend's collectives take on this device type; None: any memgather may be asked about."""
+    """The dtypes the backend's collectives take on this device type (None: not checked, any goes)."""
     if backend != "gloo" or device_type != "cpu":
         return None  # NCCL checks the dtype before it writes, and memgather never rebinds CUDA memory
     if compat._release(torch.__version__) >= GLOO_BOOL_BFLOAT16_SINCE:
