@@ -359,7 +359,11 @@ def test_an_async_op_torch_refuses_is_left_to_torch(pools: Any, value: Any) -> N
         value = torch.tensor([1, 2])
     for rank, result in enumerate(unwrap(pools(2, **EAGER).run(compare_call, "fresh", SMALL, async_op=value,
                                                                  elide=True))):
-        assert result["got"] == result["want"], f"rank {rank}: torch {result['want']}, memgather {result['got']}"
+        # 1.13.1 and 2.0.1 raise reading the tensor's truth after starting a gather they never wait
+        # for: whether the slots show its bytes when the error arrives is a race under torch alone.
+        racy = isinstance(value, torch.Tensor) and result["want"][:2] == ("raise", "RuntimeError")
+        seen, expected = (result["got"][:2], result["want"][:2]) if racy else (result["got"], result["want"])
+        assert seen == expected, f"rank {rank}: torch {result['want']}, memgather {result['got']}"
         if compat.async_op_refused(value):
             assert result["want"][0] == "raise", f"rank {rank}: {result}"
             assert result["fallbacks"] == {"bad_arguments": 1}, f"rank {rank}: {result}"
