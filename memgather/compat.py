@@ -474,3 +474,13 @@ def async_op_refused(value: Any) -> bool:
     except TypeError:
         return True
     return False
+
+
+def collectives_checked() -> bool:
+    """Whether torch checks that every rank's collectives match (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+
+    Its wrapper then tells the single-tensor call from the list call, which gloo and NCCL let meet:
+    a rank that took one while another took the other fails there, where torch alone would not.
+    """
+    level = getattr(dist, "get_debug_level", None)
+    return level is not None and level() == dist.DebugLevel.DETAIL

@@ -101,7 +101,9 @@ def test_failed_collective_leaves_slots_valid(pools: Any) -> None:
     first, second = unwrap(pools(2, **EAGER).run(failure_after_rebind, 1000, timeout_s=120))
     assert second["skipped"]
     assert first["raised"] == "RuntimeError"
-    assert first["strategy"] == ASYNC_FRESH  # where rebound, the storages were released before the failure
+    # Where rebound, the storages were released before the failure. Under TORCH_DISTRIBUTED_DEBUG=DETAIL
+    # the ranks agree on the single route first: that fails first, before a rebind.
+    assert first["strategy"] == ({} if compat.collectives_checked() else ASYNC_FRESH)
     assert first["identity_kept"] and first["allocated"]
     assert first["shapes"] == [[1000], [1000]]
 

@@ -13,6 +13,7 @@ fails by name, and each case stands alone, so any subset of tests can run.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -392,9 +393,13 @@ def test_async_op_values_torch_reads_alike_meet_alike(pools: Any, values: Any, n
 
 def test_single_route_mixed_decisions_meet_on_the_wire(pools: Any) -> None:
     """Rank 0 rewires (async: the single-tensor call), rank 1 falls back (torch's list call):
-    both still meet on the wire and give torch's bytes."""
+    both still meet on the wire and give torch's bytes. Under TORCH_DISTRIBUTED_DEBUG=DETAIL,
+    torch checks that the ranks' collectives match: the ranks agree first, and rank 0 falls back too."""
     first, second = unwrap(pools(2, **EAGER).run(compare_peer_dependent, SMALL, 1, True))
-    if compat.gloo_has_single_tensor():
+    if compat.gloo_has_single_tensor() and compat.collectives_checked():
+        assert first["fallbacks"] == {"peer_fallback": 1}
+        assert second["fallbacks"] == {"slots_shared": 1}
+    elif compat.gloo_has_single_tensor():
         assert first["strategy"] == {"rebind": 1}
         assert second["fallbacks"] == {"slots_shared": 1}
     else:  # no single-tensor call on this gloo: both stay with torch, before their slots are looked at
@@ -528,9 +533,10 @@ def _run_script(body: str) -> Any:
         import torch, torch.distributed as dist
         """
     )
+    # As run_on_fake: torch cannot wrap the fake backend for TORCH_DISTRIBUTED_DEBUG=DETAIL.
     done = subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(body)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": "OFF"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

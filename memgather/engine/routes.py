@@ -43,7 +43,7 @@ it differently still meet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, FrozenSet, List, Optional
 
@@ -145,6 +145,11 @@ def dtypes_taken(backend: str, device_type: str) -> Optional[FrozenSet[torch.dty
     if compat._release(torch.__version__) >= GLOO_BOOL_BFLOAT16_SINCE:
         return GLOO_DTYPES | {torch.bool, torch.bfloat16}
     return GLOO_DTYPES
+
+
+def agreed(route: Optional[Route]) -> Optional[Route]:
+    """``route``, taken only where every rank takes it: the ranks agree first (see ``compat.collectives_checked``)."""
+    return route if route is None or route.needs_agreement else replace(route, needs_agreement=True)
 
 
 def choose(backend: str, device: torch.device, async_op: bool, gloo_single: bool = True,
