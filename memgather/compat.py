@@ -476,11 +476,20 @@ def async_op_refused(value: Any) -> bool:
     return False
 
 
-def collectives_checked() -> bool:
-    """Whether torch checks that every rank's collectives match (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+def collectives_checked(group: Any = None, device: Optional[torch.device] = None) -> bool:
+    """Whether torch checks that every rank's collectives on ``group`` match (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 
     Its wrapper then tells the single-tensor call from the list call, which gloo and NCCL let meet:
     a rank that took one while another took the other fails there, where torch alone would not.
+    torch wraps a group when it creates it: the group's backend tells (the group itself on 1.13),
+    whatever the debug level is now; without a group to ask, the debug level does.
     """
+    pg = group if group is not None else (dist.GroupMember.WORLD if dist.is_initialized() else None)
+    if pg is not None and device is not None:
+        backend = getattr(pg, "_get_backend", None)
+        try:
+            return type(pg if backend is None else backend(device)).__name__ == "_ProcessGroupWrapper"
+        except Exception:  # noqa: BLE001 - no backend for that device: the debug level decides, as below
+            pass
     level = getattr(dist, "get_debug_level", None)
     return level is not None and level() == dist.DebugLevel.DETAIL

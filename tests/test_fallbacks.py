@@ -408,6 +408,25 @@ def test_single_route_mixed_decisions_meet_on_the_wire(pools: Any) -> None:
         assert result["got"] == result["want"]
 
 
+def mixed_decisions_after_the_level_went_off(ctx: Any) -> Dict[str, Any]:
+    """compare_peer_dependent on a group created under DETAIL, the debug level turned off since."""
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    return compare_peer_dependent(ctx, SMALL, 1, True)
+
+
+def test_a_group_created_under_detail_is_checked_whatever_the_level_now(pools: Any) -> None:
+    """torch wraps a group for DETAIL's checks when it creates it: memgather asks the group, not the
+    debug level (a review turned the level off after init: the single call met a list call, and failed)."""
+    if not compat.gloo_has_single_tensor():
+        pytest.skip("this torch's gloo has no single-tensor call: async calls stay with torch")
+    ranks = pools(2, POOL="detail", TORCH_DISTRIBUTED_DEBUG="DETAIL", **EAGER)
+    first, second = unwrap(ranks.run(mixed_decisions_after_the_level_went_off))
+    assert first["fallbacks"] == {"peer_fallback": 1}, first
+    assert second["fallbacks"] == {"slots_shared": 1}, second
+    for result in (first, second):
+        assert result["got"] == result["want"]
+
+
 def _one_strided_rank(pools: Any) -> list:
     """Rank 1 has a strided slot on gloo's broadcast route, rank 0 fresh ones."""
     return unwrap(pools(2).run(compare_peer_dependent, BIG, 1, False, "strided"))

@@ -183,7 +183,7 @@ def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _OnDevice:
     gloo_single = compat.gloo_has_single_tensor()
     synchronous = routes.choose(backend, device, False, gloo_single, info.nccl)
     single = routes.single_route(backend, device, gloo_single, info.nccl)
-    if compat.collectives_checked():
+    if compat.collectives_checked(pg, device):
         # The single call meets torch's list call on the wire, but not torch's check of every
         # rank's collectives: a rank that falls back takes the others along.
         synchronous, single = routes.agreed(synchronous), routes.agreed(single)
