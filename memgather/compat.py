@@ -314,9 +314,8 @@ def default_private_memory(tensor: torch.Tensor) -> bool:
     that torch did not allocate (``from_numpy``, ``frombuffer``, DLPack) or
     lent to numpy (``.numpy()``: its arrays point into it, and keep only the
     tensor object alive) all mean something where they are; torch marks the
-    last two not resizable. On
-    CUDA memgather cannot tell a ``MemPool``'s or a pluggable allocator's block
-    from the default pool's, so no CUDA memory qualifies.
+    last two not resizable. CUDA memory has rules of its own
+    (``memgather.engine.cuda_memory``): this answers False for it.
     """
     return bool(_unhooked(tensor, _default_private_memory))
 

@@ -788,6 +788,23 @@ def _bad_arguments(pools: Any) -> Counter:
     return counted
 
 
+def _slot_written(pools: Any) -> Counter:
+    """A CUDA slot something wrote since it was made (a graph's static tensor could be one): left to
+    torch, whose call writes where the slot lies. Only CUDA asks; tests/test_cuda_memory.py decides it."""
+    return _on_nccl("slot_written", "nccl", """
+        import os
+        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"
+        from memgather.engine import core
+        core.configure()  # the settings again, with the threshold just set
+        def outcome(gather):
+            slots = [torch.empty(6, device="cuda").fill_(-1.0)]
+            where = slots[0].data_ptr()
+            gather(slots, torch.arange(6.0, device="cuda"))
+            torch.cuda.synchronize()
+            return [slots[0].tolist(), slots[0].data_ptr() == where, slots[0]._version]
+        """)
+
+
 def _graph_capture(pools: Any) -> Counter:
     """A gather captured into a CUDA graph: left to torch, whose call capture records. Replayed,
     the graph must leave the slots as torch's captured call does."""
@@ -839,6 +856,7 @@ REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.COMPILING: _compiling,
     Reason.COALESCING: _coalescing,
     Reason.GRAPH_CAPTURE: _graph_capture,
+    Reason.SLOT_WRITTEN: _slot_written,
     Reason.NO_PRIMITIVE: _no_primitive,
     Reason.BACKEND: partial(_bad_input, "meta_device"),
     Reason.NCCL2: _nccl2,

@@ -29,8 +29,18 @@ def test_a_small_call_from_a_target_reaches_torch_from_the_wrapper() -> None:
         core.handle = full_path
         user["call"](1 << 20)  # at the threshold: rewired
         print(dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
-    """, {})
+    """, {"MEMGATHER_NCCL_MIN_BYTES": str(1 << 20)})
     assert out.strip() == "{'fallback': 2, 'rebind': 1} {'below_threshold': 2}"
+
+
+def test_the_default_nccl_threshold_keeps_a_64_mib_call_of_two_ranks_with_torch() -> None:
+    """The fake backend is timed as legacy NCCL: 864 MB per rank at 2 ranks (memgather.engine.routes)."""
+    out = run_on_fake("""
+        memgather.patch(["user_code"])
+        user["call"](64 << 20)
+        print(dict(memgather.stats().fallbacks))
+    """, {})
+    assert out.strip() == "{'below_threshold': 1}"
 
 
 @pytest.mark.parametrize("setting,expected", [("0", "{'rebind': 1} {}"), (str(2 << 20), "{'fallback': 1} "

@@ -70,7 +70,10 @@ def test_doctor_shows_each_backends_verdict_on_this_release() -> None:
     assert gloo_async in lines["gloo"], lines["gloo"]
     default = compat.default_nccl_flavour(torch.__version__, os.environ.get("TORCH_DIST_USE_NCCL2"))
     assert f'"nccl" is the {default} group here' in lines["nccl"], lines["nccl"]
-    assert f"take {primitive} straight into it" in lines["nccl"] and "fresh slots stay with torch" in lines["nccl"]
+    fresh = ("are released and rebound to one buffer" if compat.can_prove_exclusive()
+             else "fresh slots stay with torch (this torch has no storage use count")
+    assert fresh in lines["nccl"] and "filled where they lie" in lines["nccl"], lines["nccl"]
+    assert "calls whose cat is elided take" in lines["nccl"], lines["nccl"]
     assert "every call stays with torch" in lines["mpi"]
 
 

@@ -12,6 +12,8 @@ from tests.conftest import unwrap
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 MIB = 1 << 20
+# The NCCL default per rank for 3 ranks: 20 x 90 us x 480 GB/s / (3 - 1), as routes' docstring derives it.
+NCCL_3 = 432_000_000
 
 
 @pytest.mark.parametrize(
@@ -35,7 +37,7 @@ def test_choose(backend: str, device: torch.device, async_op: bool, expected: ob
     [
         ("nccl", "legacy", routes.SINGLE_IN_PLACE),
         ("nccl-legacy", "legacy", routes.SINGLE_IN_PLACE),
-        ("nccl", "nccl2", None),  # fills the slots itself: nothing to save, another wire protocol
+        ("nccl", "nccl2", None),  # fills the slots itself: nothing to save but an elided cat (elided_route)
         ("nccl2", "nccl2", None),
         ("nccl", None, None),  # an NCCL group of a class memgather has not read (e.g. nccl-lazy)
     ],
@@ -53,13 +55,15 @@ def test_nccl_by_flavour(backend: str, flavour: Any, expected: object) -> None:
         ("gloo", "cpu", None, 2 * MIB - 1, True),
         ("gloo", "cpu", None, 2 * MIB, False),
         ("gloo", "cuda", None, 4 << 10, False),  # no route at all: the backend decides, not a threshold
-        ("nccl", "cuda", "legacy", MIB - 1, True),
-        ("nccl", "cuda", "legacy", MIB, False),
+        ("nccl", "cuda", "legacy", NCCL_3 - 1, True),
+        ("nccl", "cuda", "legacy", NCCL_3, False),
         ("nccl-legacy", "cuda", "legacy", 4 << 10, True),
-        ("nccl", "cuda", "nccl2", 4 << 10, False),  # ProcessGroupNCCL2: never rewired, whatever the size
+        ("nccl", "cuda", "nccl2", NCCL_3 - 1, True),  # ProcessGroupNCCL2's elided calls: the same rule
+        ("nccl", "cuda", "nccl2", NCCL_3, False),
+        ("nccl", "cuda", None, 4 << 10, False),  # an NCCL class memgather has not read: no route at all
         ("nccl", "cpu", "legacy", 4 << 10, False),
-        ("fake", "cpu", None, MIB - 1, True),  # timed as legacy NCCL: its threshold
-        ("fake", "cpu", None, MIB, False),
+        ("fake", "cpu", None, NCCL_3 - 1, True),  # timed as legacy NCCL: its threshold
+        ("fake", "cpu", None, NCCL_3, False),
         ("mpi", "cpu", None, 4 << 10, False),
     ],
 )
@@ -67,11 +71,33 @@ def test_below_threshold(backend: str, device_type: str, flavour: Any, per_rank:
     assert (per_rank * 3 < routes.gathered_limit(backend, device_type, flavour, 3)) is below
 
 
+@pytest.mark.parametrize("world,per_rank", [(1, 864_000_000), (2, 864_000_000), (3, 432_000_000),
+                                            (8, 123_428_572), (64, 13_714_286)])
+def test_the_nccl_default_keeps_memgathers_time_under_five_percent_of_the_collectives(world: int, per_rank: int) -> None:
+    """At the default, the collective over ``world - 1`` links' worth of bytes at the bus bandwidth
+    takes at least 20 x memgather's own time (a world of 1 counts as 2: it has no link)."""
+    assert routes.nccl_threshold(None, world) == per_rank
+    collective_s = per_rank * max(world - 1, 1) / routes.NCCL_BUS_BANDWIDTH
+    assert routes.NCCL_OVERHEAD_S <= 0.05 * collective_s * (1 + 1e-9)
+    assert routes.NCCL_OVERHEAD_S > 0.05 * (per_rank - 2) * max(world - 1, 1) / routes.NCCL_BUS_BANDWIDTH
+
+
+@pytest.mark.parametrize("backend,flavour,expected", [
+    ("nccl", "nccl2", routes.SINGLE_EVERY_RANK), ("nccl2", "nccl2", routes.SINGLE_EVERY_RANK),
+    ("nccl", "legacy", None), ("nccl", None, None), ("gloo", None, None), ("fake", None, None),
+])
+def test_elided_route(backend: str, flavour: Any, expected: object) -> None:
+    """Only ProcessGroupNCCL2 on CUDA has a route of its own for elided calls; on the CPU none has."""
+    assert routes.elided_route(backend, CUDA, flavour) is expected
+    assert routes.elided_route(backend, CPU, flavour) is None
+
+
 def test_thresholds_are_adjustable() -> None:
     assert routes.gathered_limit("gloo", "cpu", None, 2, gloo_min_bytes=0) == 0
     assert routes.gathered_limit("gloo", "cpu", None, 2, gloo_min_bytes=4 * MIB) == 8 * MIB
     assert routes.gathered_limit("nccl", "cuda", "legacy", 2, nccl_min_bytes=0) == 0
     assert routes.gathered_limit("nccl", "cuda", "legacy", 2, nccl_min_bytes=4 * MIB) == 8 * MIB
+    assert routes.gathered_limit("nccl", "cuda", "nccl2", 2, nccl_min_bytes=4 * MIB) == 8 * MIB
 
 
 def test_nccl_flavour_is_told_by_the_groups_cuda_backend_class() -> None:

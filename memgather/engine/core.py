@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from memgather import compat, config
 from memgather.engine import agreement, counters, elision, pages, planner, routes, slots, verification
-from memgather.engine.strategies import DIRECT, REBIND, Plan, Reason, Strategy, fallback
+from memgather.engine.strategies import DIRECT, REBIND, STAGED, Plan, Reason, Strategy, fallback
 
 _log = logging.getLogger("memgather")
 
@@ -105,11 +105,11 @@ def _handle(call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bo
             elide: Optional[bool], verify: Optional[bool], asked: bool = False) -> Any:
     """``asked``: ``quick_reason`` was asked already (by ``torch_at_once``), and found none."""
     check = _settings.check if check is None else check
+    elide = bool(_settings.elide) if elide is None else elide
     if not check and not asked:
-        reason = planner.quick_reason(tensor_list, tensor, group)
+        reason = planner.quick_reason(tensor_list, tensor, group, elide)
         if reason is not None:
             return to_torch(reason, *call)
-    elide = bool(_settings.elide) if elide is None else elide
     verify = _settings.verify if verify is None else verify
     if not compat.profiler_enabled():
         return _all_gather(call, tensor_list, tensor, group, async_op, check, elide, verify)
@@ -192,7 +192,7 @@ def _route_code(route: Optional[routes.Route]) -> int:
 _PARAMETERS = ("tensor_list", "tensor", "group", "async_op")
 
 
-def torch_at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool) -> Optional[Reason]:
+def torch_at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool, elide: bool) -> Optional[Reason]:
     """Why a call, as its caller wrote it, certainly goes to torch; None where it takes ``all_gather``.
 
     For the wrapper: arguments torch's signature does not take get torch's own
@@ -207,7 +207,7 @@ def torch_at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool) ->
         return None
     return planner.quick_reason(args[0] if count else kwargs.get("tensor_list"),
                                 args[1] if count > 1 else kwargs.get("tensor"),
-                                args[2] if count > 2 else kwargs.get("group"))
+                                args[2] if count > 2 else kwargs.get("group"), elide)
 
 
 def _binds(count: int, kwargs: Dict[str, Any]) -> bool:
@@ -270,6 +270,8 @@ def _write(
         region = slots.region(tensor_list)
         elision.arm(tensor_list, region)
         return routes.run(route, region, tensor, group, async_op), region
+    if chosen is STAGED:
+        return _stage(route, tensor_list, tensor, group, async_op), None
     if route.in_place and chosen is not REBIND:
         # Direct slots already are the views an in-place route fills, and in_slots ones are
         # filled where they lie: either way the slots themselves are the destinations.
@@ -282,6 +284,22 @@ def _write(
     if elide:
         elision.arm(tensor_list, flat)
     return routes.run(route, flat, tensor, group, async_op), flat
+
+
+def _stage(route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any,
+           async_op: bool) -> Any:
+    """The single-tensor call into a temporary, copied into the slots where they lie: the
+    collective every other rank takes, with torch's own cost (legacy NCCL's list call does this)."""
+    elision.settle(tensor_list)  # a slot sharing a handed-out result gets its own memory before the write
+    first = tensor_list[0]
+    flat = torch.empty(slots.flat_shape(first.shape, len(tensor_list)), dtype=first.dtype, device=first.device)
+    work = routes.run(route, flat, tensor, group, async_op)
+    if work is not None:
+        # The copy needs the bytes: the current stream waits for the collective now (torch's list
+        # call would let it run on until the caller's wait()); waiting again later is harmless.
+        work.wait()
+    slots.fill_from(tensor_list, flat)
+    return work
 
 
 def _verify(work: Any, gathered: List[torch.Tensor], tensor: torch.Tensor, group: Any, chosen: Plan) -> None:

@@ -1,7 +1,8 @@
 """The decision for one call, made in one place: strategy, route and reason (steps 1 to 3 of docs/calls.md).
 
 ``quick_reason`` is the first line: a call that certainly goes to torch, told from
-cheap facts (a small call on a group seen before, a call on ProcessGroupNCCL2).
+cheap facts (a small call on a group seen before, a call on ProcessGroupNCCL2
+with no cat to elide).
 ``decide`` is the rest: the preconditions every rank shares, the route
 (``routes.choose``), the strategy (``strategies``). Only the agreement round
 (``core``) may change what it decided, from what the other ranks decided.
@@ -21,7 +22,7 @@ from torch.overrides import has_torch_function
 
 from memgather import compat, config
 from memgather.engine import elision, groups, routes
-from memgather.engine.strategies import DIRECT, IN_SLOTS, Plan, Reason, fallback, fill_in_slots, plan
+from memgather.engine.strategies import DIRECT, IN_SLOTS, Plan, Reason, even, fallback, fill_in_slots, plan, stage
 
 # (MEMGATHER_GLOO_MIN_BYTES, MEMGATHER_NCCL_MIN_BYTES); a new tuple each configure().
 _thresholds: Tuple[Optional[int], Optional[int]] = (None, None)
@@ -32,9 +33,11 @@ class _OnDevice(NamedTuple):
 
     group: Callable[[], Any]  # a weak reference to the group: tells a group freed and its id reused
     info: groups.GroupInfo
-    limit: int  # gathered bytes under which a call goes to torch (0: none does; NCCL2: all do)
+    limit: int  # gathered bytes under which a call goes to torch (0: none does)
     synchronous: Optional[routes.Route]  # the route of a call at or above the limit (routes.choose)
     single: Optional[routes.Route]  # the single-tensor route (async calls, gather()): routes.single_route
+    elided: Optional[routes.Route]  # the route of a call whose cat is elided, where it differs: routes.elided_route
+    unelided: Optional[Reason]  # why every call without elision goes to torch at once (NCCL2), if it does
     dtypes: Optional[FrozenSet[torch.dtype]]  # what the backend's collectives take (None: any): routes.dtypes_taken
 
 
@@ -44,9 +47,7 @@ class _OnDevice(NamedTuple):
 # change the thresholds. Read without a lock; _lock keeps configure() and _learn's store apart.
 _known: Dict[Tuple[int, str], _OnDevice] = {}
 _lock = threading.Lock()
-NCCL2 = -1
-# Bound once: an Enum member read through its class costs a tenth of a microsecond a call.
-_NCCL2, _BELOW_THRESHOLD = Reason.NCCL2, Reason.BELOW_THRESHOLD
+_BELOW_THRESHOLD = Reason.BELOW_THRESHOLD
 
 
 def configure(settings: config.Settings) -> None:
@@ -71,15 +72,15 @@ class Decision(NamedTuple):  # not a frozen dataclass: its __init__ costs three 
         return self.gathered is not None and (check or (self.route is not None and self.route.needs_agreement))
 
 
-def quick_reason(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
+def quick_reason(tensor_list: Any, tensor: Any, group: Any, elide: bool) -> Optional[Reason]:
     """Why the call certainly goes to torch, told from cheap facts; None where that takes ``decide``.
 
     Small gloo calls are the most frequent kind and the ones where memgather's
     own time shows: each microsecond of Python costs about two on the wall
     clock of a 4 KiB gather; on NCCL, small calls save next to nothing (see
-    routes, "NCCL threshold"). Calls on ProcessGroupNCCL2, which fills the
-    slots itself, are never rewired. So all of them are recognised before
-    anything else. A call this cannot settle at once (a group not seen before,
+    routes, "NCCL threshold"). Calls on ProcessGroupNCCL2 whose cat is not
+    elided are never rewired (torch fills the slots at the floor itself). So
+    all of them are recognised before anything else. A call this cannot settle at once (a group not seen before,
     a subclass, a malformed list, another backend) takes ``decide``. Whatever
     that would have decided, such a call ends with the original all_gather.
     """
@@ -88,9 +89,9 @@ def quick_reason(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
     known = _on_device(group, tensor, None)
     if known is None:
         return None  # a group is described once a call on it passed decide's checks
+    if known.unelided is not None and not elide:
+        return known.unelided
     limit = known.limit
-    if limit == NCCL2:
-        return _NCCL2
     if limit:
         gathered = _gathered_bytes(tensor_list, known.info.world)
         if gathered is not None and gathered < limit:
@@ -114,9 +115,15 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
         assert known is not None  # given the group's description, it is worked out
         gathered = _gathered_bytes(tensor_list, info.world)
         # Under the threshold no route is taken, so no rank agrees on one: decided before anything else.
-        below = gathered is not None and gathered < max(known.limit, 0)
-        # None for a malformed list, or where no route is known to be safe.
-        route = None if below or gathered is None else (known.single if async_op else known.synchronous)
+        below = gathered is not None and gathered < known.limit
+        # None for a malformed list, or where no route is known to be safe. The route every rank must
+        # take is chosen from what they all share: elision, the size, and slots even with the input.
+        if below or gathered is None:
+            route = None
+        elif elide and known.elided is not None and _plain_input(tensor) and even(tensor_list, tensor):
+            route = known.elided
+        else:
+            route = known.single if async_op else known.synchronous
         refused = route is not None and known.dtypes is not None and tensor.dtype not in known.dtypes
         if refused:
             route = None  # torch raises for it before any rank meets another: nothing to agree on
@@ -132,6 +139,8 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
             chosen = fallback(Reason.UNSUPPORTED_DTYPE)
         else:
             chosen = _plan(route, tensor_list, tensor, info, gathered)
+        if route is not None and route.every_rank and not chosen.rewires:
+            chosen = stage(chosen, tensor_list, tensor)  # no rank may take torch's call alone
         if chosen.rewires and route is not None and route.in_place and chosen is not DIRECT and not elide \
                 and not elision.any_given(tensor_list):
             chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
@@ -145,7 +154,7 @@ def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optiona
         return None  # the preconditions first
     known = _on_device(group, tensor, groups.describe(group))
     assert known is not None  # given the group's description, it is worked out
-    if not out.numel() * out.element_size() < max(known.limit, 0):
+    if not out.numel() * out.element_size() < known.limit:
         return None
     if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
         return None
@@ -156,8 +165,14 @@ def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optiona
 
 
 def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
-    """A CUDA tensor on a group whose NCCL backend is ProcessGroupNCCL2: left to torch (see routes.choose)."""
+    """A CUDA tensor on a group whose NCCL backend is ProcessGroupNCCL2 (see routes, "NCCL threshold")."""
     return info.nccl == "nccl2" and tensor.is_cuda
+
+
+def _plain_input(tensor: torch.Tensor) -> bool:
+    """An input every rank of a working program gathers alike: a dense, non-empty, plain tensor."""
+    return (type(tensor) is torch.Tensor and tensor.layout is torch.strided and tensor.numel() > 0
+            and not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg()))
 
 
 def _on_device(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo]) -> Optional[_OnDevice]:
@@ -176,13 +191,12 @@ def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _OnDevice:
     """Work out what calls with tensors of ``device_type`` on ``pg`` take, and keep it."""
     thresholds = _thresholds  # one pair for the whole entry
     backend, device = routes.backend_on(info.backend, device_type), torch.device(device_type)
-    if info.nccl == "nccl2" and device_type == "cuda":
-        limit = NCCL2
-    else:
-        limit = routes.gathered_limit(backend, device_type, info.nccl, info.world, *thresholds)
+    limit = routes.gathered_limit(backend, device_type, info.nccl, info.world, *thresholds)
     gloo_single = compat.gloo_has_single_tensor()
     synchronous = routes.choose(backend, device, False, gloo_single, info.nccl)
     single = routes.single_route(backend, device, gloo_single, info.nccl)
+    elided = routes.elided_route(backend, device, info.nccl)
+    unelided = Reason.NCCL2 if elided is not None and synchronous is None and single is None else None
     if compat.collectives_checked(pg, device):
         # The single call meets torch's list call on the wire, but not torch's check of every
         # rank's collectives: a rank that falls back takes the others along.
@@ -192,8 +206,8 @@ def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _OnDevice:
     try:
         reference = weakref.ref(pg, lambda ref: _forget(key, ref))
     except TypeError:  # a group object that takes no weak reference: worked out every time
-        return _OnDevice(lambda: pg, info, limit, synchronous, single, dtypes)
-    known = _OnDevice(reference, info, limit, synchronous, single, dtypes)
+        return _OnDevice(lambda: pg, info, limit, synchronous, single, elided, unelided, dtypes)
+    known = _OnDevice(reference, info, limit, synchronous, single, elided, unelided, dtypes)
     with _lock:
         # A configure() since the thresholds were read: this call goes by them, the next ones by the new.
         if _thresholds is thresholds:

@@ -31,18 +31,39 @@ does the list call, so rewiring would save nothing and only add its own
 microseconds (``MEMGATHER_GLOO_MIN_BYTES`` moves the threshold; 0 rewires
 every gloo call).
 
-NCCL threshold. On the legacy NCCL group the single call saves the list
-call's gathered-size temporary, nothing else; below 1 MiB per rank that is a
-few MiB at most, which the caching allocator serves from blocks it keeps
-anyway, while memgather's own Python (tens of microseconds, ``memgather bench
---overhead``) would compare with the time of the gather itself. Such calls go
-to torch at once (``MEMGATHER_NCCL_MIN_BYTES`` moves the threshold; 0 rewires
-every call). Both kinds of call run the same ncclAllGather, so ranks that set
-it differently still meet.
+NCCL threshold. On CUDA (both NCCL flavours) a rewired call costs memgather's
+own Python, about 90 us above torch's call (the largest of ``memgather bench
+--overhead``'s rewired rows, rounded up), and the default keeps that under 5 %
+of the collective's own time. An all-gather of t bytes per rank over w ranks
+moves t x (w - 1) bytes through each rank's link, so at a bus bandwidth B it
+takes t x (w - 1) / B; 90 us <= 5 % of that gives t >= 20 x 90 us x B / (w - 1).
+B is 480 GB/s, the largest nccl-tests ``busbw`` published for a current node
+(8 x H100 SXM over NVLink 4, 460 to 480 GB/s); across hosts over InfiniBand
+(400 Gbit/s NDR, about 48 GB/s per GPU) the collective takes ten times longer
+and the same rule would allow a tenth of the size. So the default is
+864 MB / (w - 1) per rank (a world of 1 counts as 2): 864 MB at 2 ranks,
+123 MB at 8. The rule credits memgather with nothing it saves (legacy NCCL's
+copy out of its temporary, or the elided ``torch.cat``: each a device copy of
+the gathered size) and ignores that the CPU usually runs ahead of the GPU, so
+it errs towards leaving calls to torch. Memory-bound jobs lower it with
+``MEMGATHER_NCCL_MIN_BYTES`` (0 rewires every call). Every input is the same on
+every rank, so the ranks agree; on legacy NCCL both kinds of call run the same
+ncclAllGather anyway, so ranks set differently still meet.
+
+ProcessGroupNCCL2 fills a list's slots itself with one ncclBroadcast per rank
+(no temporary), and its single-tensor call is an ncclAllGather: the two never
+meet. So on NCCL2 the collective is chosen from what every rank of a working
+program shares (group, size, dtype, caller, settings), without an exchange:
+calls whose cat is elided (the only saving there, t + 2N to t + N) take
+``SINGLE_EVERY_RANK``, every other call stays with torch. A rank whose slots
+cannot be rebound must still take the single call: it gathers into a
+temporary and copies into its slots (``Strategy.STAGED``: legacy NCCL's cost,
+on that rank alone).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, FrozenSet, List, Optional
@@ -54,7 +75,10 @@ from memgather import compat
 from memgather.engine import groups, pages, slots
 
 BROADCAST_MIN_BYTES_PER_RANK = 2 << 20
-NCCL_MIN_BYTES_PER_RANK = 1 << 20
+# The NCCL threshold's rule (see "NCCL threshold" above): per rank, 20 x OVERHEAD_S x BUS_BANDWIDTH / (w - 1).
+NCCL_OVERHEAD_S = 90e-6
+NCCL_BUS_BANDWIDTH = 480e9  # bytes per second
+NCCL_OVERHEAD_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,9 @@ class Route:
     needs_agreement: bool
     contiguous_input_only: bool = False
     in_place: bool = False  # fills caller-chosen destinations (the slots, or views of one buffer)
+    # Once chosen, every rank of the group takes it, whatever its own slots allow: a rank that
+    # cannot rebind stages through a temporary instead of falling back (ProcessGroupNCCL2).
+    every_rank: bool = False
 
 
 # NCCL reads the input as raw memory and rejects non-contiguous ones where
@@ -74,6 +101,9 @@ class Route:
 SINGLE_IN_PLACE = Route("single_in_place", saves_temp=True, needs_agreement=False, contiguous_input_only=True)
 # Gloo copies the input in logical order on both calls (tested bit for bit).
 SINGLE_STAGED = Route("single_staged", saves_temp=False, needs_agreement=False)
+# ProcessGroupNCCL2's single-tensor call: its list call needs no temporary, so nothing is saved
+# but the elided cat; its list call is another wire protocol, so no rank may fall back alone.
+SINGLE_EVERY_RANK = Route("single_every_rank", saves_temp=False, needs_agreement=False, every_rank=True)
 BROADCAST = Route("broadcast", saves_temp=True, needs_agreement=True, in_place=True)
 RING = Route("ring", saves_temp=True, needs_agreement=True, in_place=True)
 # Accepted by gloo's collectives on every release memgather supports (complex ones are
@@ -116,9 +146,12 @@ def gloo_threshold(setting: Optional[int]) -> int:
     return BROADCAST_MIN_BYTES_PER_RANK if setting is None else setting
 
 
-def nccl_threshold(setting: Optional[int]) -> int:
-    """Bytes per rank from which legacy NCCL calls are rewired: the setting, else the default."""
-    return NCCL_MIN_BYTES_PER_RANK if setting is None else setting
+def nccl_threshold(setting: Optional[int], world: int) -> int:
+    """Bytes per rank from which NCCL calls on CUDA are rewired: the setting, else the default
+    for ``world`` ranks (see "NCCL threshold" above)."""
+    if setting is not None:
+        return setting
+    return math.ceil(NCCL_BUS_BANDWIDTH * NCCL_OVERHEAD_S / NCCL_OVERHEAD_SHARE / max(world - 1, 1))
 
 
 def gathered_limit(backend: str, device_type: str, nccl_flavour: Optional[str], world: int,
@@ -127,14 +160,16 @@ def gathered_limit(backend: str, device_type: str, nccl_flavour: Optional[str], 
 
     Below it there is nothing or next to nothing to save, and memgather's own
     work would only add time. ``backend`` is the one for the tensor's device
-    (``backend_on``). Gloo on CPU has its threshold, legacy NCCL on CUDA its
-    own, and torch's fake backend (used to time memgather itself) is timed as
-    legacy NCCL. Every input is the same on every rank of a working program.
+    (``backend_on``). Gloo on CPU has its threshold, NCCL on CUDA (either
+    flavour) its own, and torch's fake backend (used to time memgather itself)
+    is timed as legacy NCCL. Every input is the same on every rank of a working
+    program.
     """
     if backend == "gloo" and device_type == "cpu":
         return world * gloo_threshold(gloo_min_bytes)
-    if (backend.startswith("nccl") and device_type == "cuda" and nccl_flavour == "legacy") or backend == "fake":
-        return world * nccl_threshold(nccl_min_bytes)
+    nccl = backend.startswith("nccl") and device_type == "cuda" and nccl_flavour in ("legacy", "nccl2")
+    if nccl or backend == "fake":
+        return world * nccl_threshold(nccl_min_bytes, world)
     return 0
 
 
@@ -187,6 +222,14 @@ def single_route(backend: str, device: torch.device, gloo_single: bool = True,
     return None
 
 
+def elided_route(backend: str, device: torch.device, nccl_flavour: Optional[str] = None) -> Optional[Route]:
+    """The route every rank takes for a call whose cat is elided, where it differs from ``choose``'s
+    (ProcessGroupNCCL2: ``SINGLE_EVERY_RANK``); None elsewhere."""
+    if backend.startswith("nccl") and device.type == "cuda" and nccl_flavour == "nccl2":
+        return SINGLE_EVERY_RANK
+    return None
+
+
 def settle(route: Route, setting: str, spans_hosts: bool, dtype: torch.dtype) -> Route:
     """The in-place route every rank takes, from what all of them read alike in the agreement round.
 
@@ -210,6 +253,8 @@ def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, asyn
     primitive = compat.single_tensor_primitive().function
     assert primitive is not None  # core falls back (no_primitive) before any route runs
     source = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    if route.every_rank and not source.is_contiguous():
+        source = source.contiguous()  # no rank may fall back for it: NCCL reads raw memory
     work = primitive(flat, source, group=group, async_op=async_op)
     if not async_op:
         compat.await_release([flat])

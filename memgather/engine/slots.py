@@ -12,7 +12,7 @@ from typing import List, Tuple
 import torch
 
 from memgather import compat
-from memgather.engine import pages
+from memgather.engine import cuda_memory, pages
 
 
 def flat_shape(shape: torch.Size, world: int) -> Tuple[int, ...]:
@@ -56,6 +56,7 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     """
     first = slots[0]
     shape, dtype, device = first.shape, first.dtype, first.device
+    cuda_memory.release_on_current_stream(slots)  # before set_(): after it, the new storage would be recorded
     for slot in slots:
         slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
     try:
@@ -70,6 +71,14 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     for index, slot in enumerate(slots):
         slot.set_(storage, index * step, shape, strides)
     return flat
+
+
+def fill_from(slots: List[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy rank i's part of ``flat`` into slot i, where the slot lies (any strides, any overlap, in
+    rank order), as torch's list call leaves it."""
+    with compat.subclass_hooks_off():  # memgather writing its own bytes: no subclass hook runs
+        for slot, part in zip(slots, views(flat, len(slots), slots[0].shape)):
+            slot.copy_(part)
 
 
 def tile_their_storage(slots: List[torch.Tensor]) -> bool:

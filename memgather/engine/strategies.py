@@ -11,6 +11,10 @@
   (``Strategy.IN_SLOTS``): no release, no new buffer, no page faults.
 - ``Strategy.FALLBACK`` with a ``Reason``: anything memgather cannot prove safe;
   the original ``all_gather`` runs unchanged and keeps its own semantics.
+- ``Strategy.STAGED``: on a route every rank must take (``Route.every_rank``,
+  ProcessGroupNCCL2), a rank that would fall back for a reason of its own
+  slots (``stage``) gathers into a temporary flat buffer with the same
+  single-tensor call and copies it into its slots where they lie.
 
 ``Strategy.INTO_RESULT`` is not a plan: ``memgather.gather``'s small calls,
 counted under it, have no caller's slots (torch's single-tensor call writes
@@ -21,63 +25,16 @@ Nothing here allocates, communicates or keeps a reference to a storage.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from memgather import compat
-from memgather.engine import elision
+from memgather.engine import cuda_memory, elision
+from memgather.engine.reasons import Reason, Strategy
 
-
-class Strategy(str, enum.Enum):
-    """How one call is carried out."""
-
-    DIRECT = "direct"
-    REBIND = "rebind"
-    IN_SLOTS = "in_slots"
-    INTO_RESULT = "into_result"  # memgather.gather's small call: torch's single-tensor call into its result
-    FALLBACK = "fallback"
-
-
-class Reason(str, enum.Enum):
-    """Why a call went to the original ``all_gather``."""
-
-    NOT_INITIALIZED = "not_initialized"  # no default process group: torch raises its own error
-    NOT_IN_GROUP = "not_in_group"  # torch warns and returns None
-    COMPILING = "compiling"  # Dynamo maps all_gather to functional collectives itself
-    COALESCING = "coalescing"  # inside _coalescing_manager, torch queues the op
-    GRAPH_CAPTURE = "graph_capture"  # CUDA graph capture: no host sync, no allocation, no free may happen
-    NO_PRIMITIVE = "no_primitive"  # this torch has no single-tensor all-gather
-    BACKEND = "backend"  # backend/device pair without a route known to be safe
-    NCCL2 = "nccl2"  # ProcessGroupNCCL2 fills the slots itself: no temporary to save, another wire protocol
-    BELOW_THRESHOLD = "below_threshold"  # gloo or legacy NCCL call too small to save anything
-    UNSUPPORTED_DTYPE = "unsupported_dtype"  # a dtype the backend's collectives refuse: torch raises, slots untouched
-    TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
-    DISPATCH_MODE = "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations (agreed on)
-    FUNCTORCH = "functorch"  # input or a slot is a vmap / grad transform's wrapper: no storage of its own
-    BAD_ARGUMENTS = "bad_arguments"  # arguments all_gather's signature does not take, an async_op torch refuses
-    NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
-    WRONG_LENGTH = "wrong_length"  # list length is not the group size
-    NOT_A_TENSOR = "not_a_tensor"  # input or a slot is not a tensor
-    SLOT_SUBCLASS = "slot_subclass"  # a slot is a tensor subclass (Parameter, ...)
-    UNSUPPORTED_LAYOUT = "unsupported_layout"  # sparse, quantized, conj/neg bit, ...
-    EMPTY = "empty"  # nothing to gather, nothing to save
-    DTYPE_MISMATCH = "dtype_mismatch"
-    DEVICE_MISMATCH = "device_mismatch"
-    UNEVEN_SLOTS = "uneven_slots"  # a slot's shape differs from the input's
-    SLOT_REQUIRES_GRAD = "slot_requires_grad"
-    INFERENCE_TENSOR = "inference_tensor"  # in-place write torch would refuse
-    DUPLICATE_SLOT = "duplicate_slot"  # one tensor object appears twice
-    INPUT_OVERLAPS_OUTPUT = "input_overlaps_output"
-    INPUT_NOT_CONTIGUOUS = "input_not_contiguous"  # on a route that reads raw memory (NCCL)
-    SLOT_NOT_CONTIGUOUS = "slot_not_contiguous"  # e.g. empty_like of a transposed input
-    SLOTS_SHARED = "slots_shared"  # neither adjacent views nor sole owners
-    SLOT_MEMORY = "slot_memory"  # shared, pinned or foreign memory: a rebind would move it
-    CANNOT_PROVE_EXCLUSIVE = "cannot_prove_exclusive"  # torch lacks a storage use count
-    PEER_FALLBACK = "peer_fallback"  # another rank could not take the rewired path
-    UNEVEN_RANKS = "uneven_ranks"  # ranks' inputs differ (check off: torch decides)
+__all__ = ["DIRECT", "IN_SLOTS", "REBIND", "STAGED", "Plan", "Reason", "Strategy", "fallback", "fill_in_slots", "plan"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +52,7 @@ class Plan:
 DIRECT = Plan(Strategy.DIRECT)
 REBIND = Plan(Strategy.REBIND)
 IN_SLOTS = Plan(Strategy.IN_SLOTS)
+STAGED = Plan(Strategy.STAGED)
 
 
 def fallback(reason: Reason) -> Plan:
@@ -200,7 +158,11 @@ def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
         # ranks could disagree on a permuted layout: contiguous slots only.
         if not slot.is_contiguous():
             return fallback(Reason.SLOT_NOT_CONTIGUOUS)
-        if not compat.default_private_memory(slot):
+        if slot.is_cuda:
+            refused = cuda_memory.refusal(cuda_memory.read(slot))
+            if refused is not None:
+                return fallback(refused)
+        elif not compat.default_private_memory(slot):
             return fallback(Reason.SLOT_MEMORY)
         if slot is tensor:  # the only way an input can share a storage a slot holds alone
             return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
@@ -246,3 +208,36 @@ def _span(tensor: torch.Tensor) -> tuple:
     """[first, last + 1) byte address a strided, non-empty tensor may touch (torch strides are >= 0)."""
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+def even(tensor_list: list, tensor: torch.Tensor) -> bool:
+    """Every slot shaped, typed and placed like the input: in a working program, alike on every rank."""
+    return all(slot.shape == tensor.shape and slot.dtype == tensor.dtype and slot.device == tensor.device
+               for slot in tensor_list)
+
+
+# What a rank may refuse a rebind for on its own while every other rank rebinds: its slots'
+# memory, layout or aliasing, or a dispatch mode of its own. The staged copy writes such
+# slots as torch's call would (the bytes, where each slot lies).
+_STAGEABLE = frozenset((
+    Reason.DISPATCH_MODE, Reason.SLOT_SUBCLASS, Reason.DUPLICATE_SLOT, Reason.INPUT_OVERLAPS_OUTPUT,
+    Reason.INPUT_NOT_CONTIGUOUS, Reason.SLOT_NOT_CONTIGUOUS, Reason.SLOTS_SHARED, Reason.SLOT_MEMORY,
+    Reason.SLOT_WRITTEN, Reason.CANNOT_PROVE_EXCLUSIVE,
+))
+
+
+def stage(refused: Plan, tensor_list: list, tensor: torch.Tensor) -> Plan:
+    """STAGED where ``refused`` is a reason of this rank's own slots and torch's call would write
+    them without an error; else ``refused`` (torch's call then raises on this rank, as it would
+    without memgather, or the reason is one every rank of a working program shares)."""
+    if refused.reason not in _STAGEABLE or _odd_layout(tensor):
+        return refused
+    inference = compat.inference_mode_enabled()
+    for slot in tensor_list:
+        # torch refuses these in-place writes (a leaf that requires grad, an inference tensor outside
+        # inference mode) or reads them otherwise (conj and neg bits): the rank keeps torch's outcome.
+        if slot.layout is not torch.strided or slot.is_conj() or slot.is_neg() or slot.requires_grad:
+            return refused
+        if slot.is_inference() and not inference:
+            return refused
+    return STAGED

@@ -157,7 +157,7 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         if known is None or known[0] is not code:
             known = _decide(frame, active)
         if known[1]:
-            reason = core.torch_at_once(args, kwargs, active.check)
+            reason = core.torch_at_once(args, kwargs, active.check, known[2])
             if reason is not None:  # a small call, one on ProcessGroupNCCL2, bad arguments: torch's, at once
                 return core.to_torch(reason, args, kwargs)
             return core.handle(args, kwargs, active.check, known[2], active.verify)

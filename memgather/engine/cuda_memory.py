@@ -1,0 +1,98 @@
+"""Whether a CUDA slot's memory may be released and rebound, and how it is released.
+
+A rebind frees each slot's block and allocates one flat buffer in its place.
+On the CPU the proofs that nothing else holds the memory suffice (``compat``).
+On CUDA the caching allocator adds three questions, answered from facts that
+``read`` takes from torch (the only function here that asks CUDA anything) and
+decided by ``refusal`` from those facts alone:
+
+- **Who made the memory.** Only blocks of torch's own allocator go back to a
+  pool when freed. DLPack imports, CUDA IPC handles and symmetric-memory peer
+  buffers carry another deleter (``torch._C._has_Standard_Deleter`` is false);
+  a ``CUDAPluggableAllocator`` frees at once, with no stream semantics, so
+  nothing of a process whose allocator backend is ``pluggable`` is rebound.
+- **Whether it was written before.** Factory-made slots (``empty_like``,
+  ``zeros_like``, ``ones_like``, ``clone``, ``torch.empty``) are at ``_version``
+  0. A tensor written by any in-place op or collective is higher: a CUDA
+  graph's static inputs and outputs (their captured kernels bumped it), a slot
+  list kept across steps. Such memory may be baked into a graph, whose later
+  replays would write into a freed block; it is left to torch. An inference
+  tensor has no version counter, so nothing shows it fresh: left to torch too.
+- **Capture.** Nothing is freed or allocated while the current stream captures
+  a graph (torch's call is what capture records safely).
+
+Freeing is stream-ordered: a released block returns to the pool of the stream
+it was allocated on, and only a later allocation on that stream reuses it,
+after the work already queued there. ``release_on_current_stream`` records
+every slot on the current stream first, so a slot made on another stream is
+not reused before the current stream's work is done (for a slot of the current
+stream the record is a no-op). What stays the user's contract, because no
+cheap check sees it: memory allocated inside a ``MemPool`` (``use_mem_pool``)
+or a graph's private pool and gathered outside it (the flat buffer comes from
+the pool routing in force at the gather), and a slot in use on a third stream
+without ``record_stream``, as for every tensor a program drops.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from memgather import compat
+from memgather.engine.reasons import Reason
+
+
+class SlotFacts(NamedTuple):
+    """What CUDA tells of one slot's memory."""
+
+    standard_deleter: bool  # torch's own allocator made it
+    allocator: str  # torch.cuda.memory.get_allocator_backend(): "native", "cudaMallocAsync", "pluggable"
+    capturing: bool  # the current stream is capturing a CUDA graph
+    version: Optional[int]  # its version counter; None for an inference tensor, which has none
+
+
+# The allocator backends whose free is stream-ordered and honours record_stream.
+STREAM_ORDERED = frozenset(("native", "cudaMallocAsync"))
+
+
+def refusal(facts: SlotFacts) -> Optional[Reason]:
+    """Why a CUDA slot with these facts must not be rebound; None where it may be."""
+    if facts.capturing:
+        return Reason.GRAPH_CAPTURE
+    if not facts.standard_deleter or facts.allocator not in STREAM_ORDERED:
+        return Reason.SLOT_MEMORY
+    if facts.version != 0:
+        return Reason.SLOT_WRITTEN
+    return None
+
+
+def read(slot: torch.Tensor) -> SlotFacts:
+    """The facts of ``slot``, a CUDA tensor (memgather looking: no subclass hook runs)."""
+    has_standard_deleter = getattr(torch._C, "_has_Standard_Deleter", None)
+    with compat.subclass_hooks_off():
+        storage = slot.untyped_storage()
+        standard = has_standard_deleter is not None and bool(has_standard_deleter(storage._cdata))
+        del storage  # no reference of memgather's may keep the block alive through the rebind
+        version = None if slot.is_inference() else slot._version
+    return SlotFacts(standard, allocator_backend(), torch.cuda.is_current_stream_capturing(), version)
+
+
+@lru_cache(maxsize=None)
+def allocator_backend() -> str:
+    """The process's CUDA allocator backend. Fixed once CUDA memory exists (torch refuses to change
+    it then), and a CUDA slot exists whenever this is asked: read once."""
+    backend = getattr(torch.cuda.memory, "get_allocator_backend", None)
+    return "native" if backend is None else str(backend())
+
+
+def release_on_current_stream(slots: List[torch.Tensor]) -> None:
+    """Record each CUDA slot's block on the current stream, before its storage is dropped."""
+    first = slots[0]
+    if not first.is_cuda:
+        return
+    stream = torch.cuda.current_stream(first.device)
+    with compat.subclass_hooks_off():
+        for slot in slots:
+            slot.record_stream(stream)
