@@ -87,14 +87,43 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
     from memgather.engine import routes
 
     setting = os.environ.get("TORCH_DIST_USE_NCCL2")
-    threshold = _size(routes.nccl_threshold(nccl_min_bytes))
+    if nccl_min_bytes is None:
+        threshold = (f"{routes.nccl_threshold(None, 2) / 1e6:.0f} MB / (ranks - 1) per rank "
+                     f"({routes.nccl_threshold(None, 8) / 1e6:.0f} MB at 8 ranks)")
+    else:
+        threshold = f"{_size(nccl_min_bytes)} per rank"
     default = compat.default_nccl_flavour(torch.__version__, setting)
+    if compat.can_prove_exclusive():
+        fresh = f"fresh slots ({cuda_slots()}) are released and rebound to one buffer that {primitive} fills"
+        cat = ", and an elided cat too"
+    else:
+        fresh = "fresh slots stay with torch (this torch has no storage use count to prove a rebind safe)"
+        cat = ""
     shown = "unset" if setting is None else repr(setting)
     return (f'"nccl" is the {default} group here (torch {torch.__version__}, TORCH_DIST_USE_NCCL2 {shown}). '
-            f"legacy ProcessGroupNCCL: calls under {threshold} per rank stay with torch (MEMGATHER_NCCL_MIN_BYTES); "
-            f"from it, slots that already are views of one buffer (DeepSpeed ZeRO's) take {primitive} straight into it, saving the gathered-size temporary its list call allocates; fresh "
-            f"slots stay with torch (CUDA memory is never rebound). ProcessGroupNCCL2: every call stays with "
-            f"torch (it fills the slots itself: nothing to save)")
+            f"Calls under {threshold} stay with torch (MEMGATHER_NCCL_MIN_BYTES). "
+            f"Legacy ProcessGroupNCCL: {fresh}, slots that already are views of one buffer (DeepSpeed "
+            f"ZeRO's) are filled where they lie: the gathered-size temporary of torch's list call is saved"
+            f"{cat}. ProcessGroupNCCL2 (no temporary of its own): calls whose cat is elided take "
+            f"{primitive} on every rank (a rank whose slots cannot be rebound stages through a temporary), "
+            f"every other call stays with torch")
+
+
+def cuda_slots() -> str:
+    """Which CUDA slots may be rebound in this process, told from its allocator backend."""
+    import torch
+
+    from memgather.engine import cuda_memory
+
+    if not torch.cuda.is_available():
+        rule = "no CUDA device here"
+    else:
+        backend = cuda_memory.allocator_backend()
+        if backend in cuda_memory.STREAM_ORDERED:
+            rule = f"allocator {backend}: rebindable"
+        else:
+            rule = f"allocator {backend}: none is rebound, its frees are not stream-ordered"
+    return f"made by torch's allocator and never written since, e.g. empty_like / zeros_like / clone; {rule}"
 
 
 def elision_lines(elide: Optional[bool]) -> List[str]:

@@ -16,7 +16,7 @@ the same single-tensor call. Ways to call ``all_gather`` of two 4 KiB slots:
   slots, allocate the buffer, point the slots into it, the single-tensor call),
   with none of memgather's checks: what any rebind costs, memgather or not;
 - direct slots: the slots are views of one buffer (``list(out.chunk(world))``),
-  the only strategy memgather takes on NCCL (CUDA memory is never rebound),
+  DeepSpeed ZeRO's pattern,
   unpatched and rewired, and the single-tensor call into that buffer alone.
 
 Then the same three (torch, non-target, rewired) for a gather made inside an

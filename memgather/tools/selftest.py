@@ -27,6 +27,10 @@ from memgather.tools import bench, patterns, rss
 # Per rank. Below gloo's 2 MiB threshold a call goes to torch: the first size shows that path.
 CPU_SIZES = (64 << 10, 4 << 20, 32 << 20)
 CUDA_SIZES = (64 << 10, 4 << 20, 64 << 20)
+# NCCL's default threshold (hundreds of MB per rank: memgather.engine.routes) would leave every
+# CUDA size to torch: unless MEMGATHER_NCCL_MIN_BYTES is set, the test takes this one, so that the
+# first size shows the path to torch and the others the rewired one.
+CUDA_TEST_THRESHOLD = 1 << 20
 # A peak above torch's by more than this share and this many bytes is flagged in its row.
 _WORSE_SHARE, _WORSE_BYTES = 0.05, 1 << 20
 _CALLS = 3  # measured gathers per mode: a single one's resident-set peak varies by a few MiB
@@ -65,12 +69,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"memgather selftest: cannot run: {error}", file=sys.stderr)
         return 2
     sizes = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
+    lowered = device.type == "cuda" and "MEMGATHER_NCCL_MIN_BYTES" not in os.environ
+    if lowered:  # this process's own setting, read by every patch() below
+        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = str(CUDA_TEST_THRESHOLD)
     cases = [_run_case(pattern, size, device) for pattern in patterns.PATTERNS for size in sizes]
     _worst_of_ranks(cases, device)
     memgather.unpatch()
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     if rank == 0:
         print(table(cases, world, device.type == "cuda"))
+        if lowered:
+            print(f"NCCL threshold for this test: {bench.size_label(CUDA_TEST_THRESHOLD)} per rank "
+                  f"(MEMGATHER_NCCL_MIN_BYTES unset; jobs take the default, see docs/cuda.md)")
         print(verdict(cases, world, str(backend)))
     dist.barrier()
     dist.destroy_process_group()
