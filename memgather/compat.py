@@ -107,6 +107,20 @@ def _find_dispatch_mode_active() -> Callable[[], bool]:
 dispatch_mode_active: Callable[[], bool] = _find_dispatch_mode_active()
 
 
+_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_tensor_torch_function = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
+
+
+def torch_function_mode_only(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` sees ``__torch_function__`` only because a ``TorchFunctionMode`` is active
+    (``with torch.device(...)``, ``torch.set_default_device``), not because its type overrides it."""
+    if _function_mode_enabled is None or not _function_mode_enabled():
+        return False
+    impl = getattr(type(tensor), "__torch_function__", None)
+    impl = getattr(impl, "__func__", impl)
+    return impl is _tensor_torch_function or impl is torch._C._disabled_torch_function_impl
+
+
 def outside_modes() -> ContextManager[Any]:
     """A block that no torch function or dispatch mode, subclass hook or functorch transform sees."""
     stack = contextlib.ExitStack()
@@ -411,6 +425,8 @@ def nccl_flavour(group: Any) -> Optional[str]:
         backend = group._get_backend(torch.device("cuda"))
     except (AttributeError, RuntimeError, ValueError, TypeError):  # no CUDA backend in this group
         return None
+    if type(backend).__name__ == "_ProcessGroupWrapper":  # TORCH_DISTRIBUTED_DEBUG=DETAIL's checks around it
+        backend = getattr(backend, "wrapped_pg", backend)
     return NCCL_FLAVOURS.get(type(backend).__name__)
 
 

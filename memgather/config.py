@@ -9,7 +9,7 @@
 | ``MEMGATHER_VERIFY`` | boolean | check every rewired call against the original all_gather (test runs) |
 | ``MEMGATHER_ELIDE`` | unset, boolean | cat elision: unset = audited targets only, 1 = every rewired call, 0 = never |
 | ``MEMGATHER_GLOO_MIN_BYTES`` | bytes per rank | gloo calls below this are left to torch (default 2 MiB; 0 rewires all) |
-| ``MEMGATHER_NCCL_MIN_BYTES`` | bytes per rank | NCCL calls below this are left to torch (default 864 MB / (ranks - 1); 0 rewires all) |
+| ``MEMGATHER_NCCL_MIN_BYTES`` | bytes per rank | NCCL calls below this are left to torch (default 864 MB at 2 ranks, 206 MB at 8: engine/routes.py; 0 rewires all) |
 | ``MEMGATHER_GLOO_ROUTE`` | ``auto``, ``broadcast``, ``ring`` | in-place route of large gloo calls (auto: the ring where the group spans hosts) |
 | ``MEMGATHER_HUGE_PAGES`` | boolean, default on | huge-page advice on large CPU buffers memgather fills |
 | ``MEMGATHER_LOG`` | a logging level name | log memgather's messages at that level to stderr |

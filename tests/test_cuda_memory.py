@@ -21,16 +21,20 @@ ALLOCATORS = ("native", "cudaMallocAsync", "pluggable", "an allocator not known 
 VERSIONS = (None, 0, 1, 7)
 
 
-@pytest.mark.parametrize("standard,allocator,capturing,version",
-                         list(itertools.product((True, False), ALLOCATORS, (True, False), VERSIONS)))
-def test_every_combination(standard: bool, allocator: str, capturing: bool, version: Optional[int]) -> None:
-    """Rebound only when all four hold: torch's own allocator made it, frees are stream-ordered, nothing
-    is capturing, and nothing wrote the slot since it was made. Capture is told first (nothing may be
-    freed then), then the memory, then its history."""
-    facts = SlotFacts(standard, allocator, capturing, version)
+@pytest.mark.parametrize("standard,allocator,capturing,version,graphs,lent", list(itertools.product(
+    (True, False), ALLOCATORS, (True, False), VERSIONS, (True, False), (True, False))))
+def test_every_combination(standard: bool, allocator: str, capturing: bool, version: Optional[int], graphs: bool,
+                           lent: bool) -> None:
+    """Rebound only when all hold: torch's own allocator made it, frees are stream-ordered, nothing is
+    capturing and no graph was ever captured here, the slot was not lent out, and nothing wrote it
+    since it was made. Capture is told first (nothing may be freed then), then graphs, then the
+    memory, then its history."""
+    facts = SlotFacts(standard, allocator, capturing, version, graphs, lent)
     if capturing:
         expected: Optional[Reason] = Reason.GRAPH_CAPTURE
-    elif not standard or allocator not in ("native", "cudaMallocAsync"):
+    elif graphs:
+        expected = Reason.CUDA_GRAPHS
+    elif not standard or allocator not in ("native", "cudaMallocAsync") or lent:
         expected = Reason.SLOT_MEMORY
     elif version != 0:
         expected = Reason.SLOT_WRITTEN
@@ -47,6 +51,8 @@ def test_every_combination(standard: bool, allocator: str, capturing: bool, vers
     (SlotFacts(True, "native", False, 1), Reason.SLOT_WRITTEN),  # zeros_like's fill is a factory's: 0; copy_ is not
     (SlotFacts(True, "native", False, None), Reason.SLOT_WRITTEN),  # an inference tensor: no version to show
     (SlotFacts(True, "native", True, 0), Reason.GRAPH_CAPTURE),
+    (SlotFacts(True, "native", False, 0, graphs_captured=True), Reason.CUDA_GRAPHS),  # a graph may replay into it
+    (SlotFacts(True, "native", False, 0, lent=True), Reason.SLOT_MEMORY),  # CuPy / Numba hold it
 ])
 def test_named_cases(facts: SlotFacts, expected: Optional[Reason]) -> None:
     assert cuda_memory.refusal(facts) is expected
@@ -61,3 +67,42 @@ def test_release_leaves_cpu_slots_alone() -> None:
     cuda_memory.release_on_current_stream(slots)
     assert [slot._version for slot in slots] == versions
     assert all(torch.equal(slot, torch.ones(3)) for slot in slots)
+
+
+def test_a_capture_is_noted_before_it_begins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook on CUDAGraph.capture_begin notes the capture, then does what torch's does (here: raise,
+    as a capture that cannot begin does)."""
+    monkeypatch.setattr(cuda_memory, "_graphs_captured", False)
+
+    def capture_begin(graph: object, pool: object = None) -> None:
+        raise RuntimeError("no CUDA here")
+
+    noted = cuda_memory._noting_capture(capture_begin)
+    with pytest.raises(RuntimeError, match="no CUDA here"):
+        noted(object(), pool=None)
+    assert cuda_memory._graphs_captured is True
+
+
+def test_the_hooks_are_installed_and_torch_behaves_as_before() -> None:
+    import torch
+
+    assert torch.cuda.CUDAGraph.capture_begin.__wrapped__ is not None
+    hooked = torch.Tensor.__dict__["__cuda_array_interface__"]
+    assert hooked.fget.__wrapped__ is not None and hooked.__doc__ == hooked.fget.__wrapped__.__doc__
+    cpu = torch.ones(2)
+    with pytest.raises(AttributeError, match="non-CUDA tensor"):
+        cpu.__cuda_array_interface__
+    assert not hasattr(cpu, "__cuda_array_interface__")  # as numba and cupy probe it
+    assert id(cpu) not in cuda_memory._lent
+
+
+def test_a_loan_is_noted_and_forgotten_with_its_tensor() -> None:
+    import torch
+
+    interface = cuda_memory._noting_loan(lambda tensor: {"data": (tensor.data_ptr(), False)})
+    tensor = torch.ones(2)
+    key = id(tensor)
+    assert interface(tensor)["data"][0] == tensor.data_ptr()
+    assert key in cuda_memory._lent
+    del tensor
+    assert key not in cuda_memory._lent

@@ -55,7 +55,7 @@ class _Seen(TorchDispatchMode):
 
 def _slots(case: str, n: int) -> List[torch.Tensor]:
     """Two slots of shape (n, 3) as ``case`` builds them."""
-    if case in ("fresh", "dispatch_mode"):  # the latter gathered under a dispatch mode
+    if case in ("fresh", "dispatch_mode", "function_mode", "parameter_input"):  # the slots are fresh
         return [torch.empty(n, 3) for _ in range(2)]
     if case == "reversed_views":  # views of one buffer, out of rank order: neither direct nor rebindable
         base = torch.full((2, n, 3), -1.0)
@@ -82,6 +82,8 @@ def mixed(ctx: Any, case: str, async_op: bool, stage_refusals: bool = True) -> D
     n = 5
     given = torch.arange(n * 3, dtype=torch.float32).view(n, 3) + 100 * ctx.rank
     built = case if ctx.rank == 0 else "fresh"
+    if case == "parameter_input" and ctx.rank == 0:
+        given = torch.nn.Parameter(given, requires_grad=False)
     with gloo_as_nccl2(stage_refusals):
         theirs = _slots(built, n)
         torch.distributed.all_gather(theirs, given)
@@ -89,7 +91,8 @@ def mixed(ctx: Any, case: str, async_op: bool, stage_refusals: bool = True) -> D
         ours = _slots(built, n)
         addresses = [slot.data_ptr() for slot in ours]
         memgather.reset_stats()
-        mode = _Seen() if case == "dispatch_mode" and ctx.rank == 0 else contextlib.nullcontext()
+        modes = {"dispatch_mode": _Seen, "function_mode": lambda: torch.device("cpu")}  # a TorchFunctionMode
+        mode = modes[case]() if case in modes and ctx.rank == 0 else contextlib.nullcontext()
         with mode:
             work = memgather.all_gather(ours, given, elide=True, async_op=async_op)
         if work is not None:
@@ -108,7 +111,8 @@ def mixed(ctx: Any, case: str, async_op: bool, stage_refusals: bool = True) -> D
     }
 
 
-CASES = ["fresh", "reversed_views", "storage_kept", "not_contiguous", "shared_memory", "dispatch_mode"]
+CASES = ["fresh", "reversed_views", "storage_kept", "not_contiguous", "shared_memory", "dispatch_mode",
+         "function_mode", "parameter_input"]
 
 
 @pytest.mark.parametrize("async_op", [False, True])
@@ -117,7 +121,7 @@ def test_a_rank_that_cannot_rebind_takes_the_same_collective(pools: Any, case: s
     """Rank 0 stages (or, with fresh slots, rebinds), rank 1 rebinds; both take the single call,
     DETAIL's check finds every rank's collectives alike, and the result is torch's, bit for bit."""
     first, second = unwrap(pools(2, **DETAIL).run(mixed, case, async_op))
-    staged = case != "fresh"  # a dispatch mode's rank stages too: the mode sees torch's kind of call
+    staged = case not in ("fresh", "parameter_input")  # a mode's rank stages: the mode sees ordinary calls
     assert first["strategies"] == ({"staged": 1} if staged else {"rebind": 1}), first
     assert second["strategies"] == {"rebind": 1}, second
     for result in (first, second):

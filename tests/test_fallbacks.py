@@ -805,6 +805,28 @@ def _slot_written(pools: Any) -> Counter:
         """)
 
 
+def _cuda_graphs(pools: Any) -> Counter:
+    """Fresh CUDA slots in a process that captured a CUDA graph: left to torch (a graph's static
+    tensors may be fresh too, and a replay would write into a freed block)."""
+    return _on_nccl("cuda_graphs", "nccl", """
+        from memgather.engine import core
+        import os
+        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"
+        core.configure()
+        static = torch.ones(4, device="cuda")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static.mul_(2)
+        def outcome(gather):
+            slots = [torch.empty(6, device="cuda")]
+            where = slots[0].data_ptr()
+            gather(slots, torch.arange(6.0, device="cuda"))
+            torch.cuda.synchronize()
+            return [slots[0].tolist(), slots[0].data_ptr() == where]
+        """)
+
+
 def _graph_capture(pools: Any) -> Counter:
     """A gather captured into a CUDA graph: left to torch, whose call capture records. Replayed,
     the graph must leave the slots as torch's captured call does."""
@@ -857,6 +879,7 @@ REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.COALESCING: _coalescing,
     Reason.GRAPH_CAPTURE: _graph_capture,
     Reason.SLOT_WRITTEN: _slot_written,
+    Reason.CUDA_GRAPHS: _cuda_graphs,
     Reason.NO_PRIMITIVE: _no_primitive,
     Reason.BACKEND: partial(_bad_input, "meta_device"),
     Reason.NCCL2: _nccl2,

@@ -294,11 +294,17 @@ def _stage(route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.T
     first = tensor_list[0]
     flat = torch.empty(slots.flat_shape(first.shape, len(tensor_list)), dtype=first.dtype, device=first.device)
     work = routes.run(route, flat, tensor, group, async_op)
-    if work is not None:
-        # The copy needs the bytes: the current stream waits for the collective now (torch's list
-        # call would let it run on until the caller's wait()); waiting again later is harmless.
-        work.wait()
+    if work is None:
+        slots.fill_from(tensor_list, flat)
+        return None
+    # The copy needs the bytes: the current stream waits for the collective now (torch's list call
+    # would let it run on until the caller's wait()); waiting again later is harmless.
+    work.wait()
     slots.fill_from(tensor_list, flat)
+    if flat.is_cuda:
+        # The caller's wait() orders its stream after the collective, not after this copy, and it may
+        # wait on another stream than this one: the host waits for the copy, so every stream sees it.
+        torch.cuda.current_stream(flat.device).synchronize()
     return work
 
 

@@ -13,13 +13,20 @@ decided by ``refusal`` from those facts alone:
   nothing of a process whose allocator backend is ``pluggable`` is rebound.
 - **Whether it was written before.** Factory-made slots (``empty_like``,
   ``zeros_like``, ``ones_like``, ``clone``, ``torch.empty``) are at ``_version``
-  0. A tensor written by any in-place op or collective is higher: a CUDA
-  graph's static inputs and outputs (their captured kernels bumped it), a slot
-  list kept across steps. Such memory may be baked into a graph, whose later
-  replays would write into a freed block; it is left to torch. An inference
-  tensor has no version counter, so nothing shows it fresh: left to torch too.
-- **Capture.** Nothing is freed or allocated while the current stream captures
-  a graph (torch's call is what capture records safely).
+  0; a tensor written by any in-place op or collective is higher (a slot list
+  kept across steps, a buffer some kernel filled). An inference tensor has no
+  version counter, so nothing shows it fresh: both are left to torch.
+- **CUDA graphs.** A graph bakes in the addresses it reads and writes, and its
+  static tensors may well be at version 0 (an output of an out-of-place op, an
+  input only read). Once the process has captured a graph (``watch``'s hook on
+  ``torch.cuda.CUDAGraph.capture_begin``, which ``torch.cuda.graph``,
+  ``make_graphed_callables`` and ``torch.compile``'s CUDA graphs all go
+  through), no CUDA slot is rebound: any of them may be memory a graph replays.
+  Nothing is freed or allocated while the current stream captures either.
+- **Memory lent out.** ``__cuda_array_interface__`` (how CuPy and Numba borrow a
+  tensor) keeps only a Python reference to the tensor, which no count shows:
+  ``watch`` notes each tensor that lends itself so, and such a slot stays where
+  it is, as a CPU tensor lent to numpy does.
 
 Freeing is stream-ordered: a released block returns to the pool of the stream
 it was allocated on, and only a later allocation on that stream reuses it,
@@ -35,8 +42,9 @@ without ``record_stream``, as for every tensor a program drops.
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
-from typing import List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -51,6 +59,8 @@ class SlotFacts(NamedTuple):
     allocator: str  # torch.cuda.memory.get_allocator_backend(): "native", "cudaMallocAsync", "pluggable"
     capturing: bool  # the current stream is capturing a CUDA graph
     version: Optional[int]  # its version counter; None for an inference tensor, which has none
+    graphs_captured: bool = False  # this process has captured a CUDA graph
+    lent: bool = False  # the slot lent itself through __cuda_array_interface__
 
 
 # The allocator backends whose free is stream-ordered and honours record_stream.
@@ -61,7 +71,9 @@ def refusal(facts: SlotFacts) -> Optional[Reason]:
     """Why a CUDA slot with these facts must not be rebound; None where it may be."""
     if facts.capturing:
         return Reason.GRAPH_CAPTURE
-    if not facts.standard_deleter or facts.allocator not in STREAM_ORDERED:
+    if facts.graphs_captured:
+        return Reason.CUDA_GRAPHS
+    if not facts.standard_deleter or facts.allocator not in STREAM_ORDERED or facts.lent:
         return Reason.SLOT_MEMORY
     if facts.version != 0:
         return Reason.SLOT_WRITTEN
@@ -76,7 +88,8 @@ def read(slot: torch.Tensor) -> SlotFacts:
         standard = has_standard_deleter is not None and bool(has_standard_deleter(storage._cdata))
         del storage  # no reference of memgather's may keep the block alive through the rebind
         version = None if slot.is_inference() else slot._version
-    return SlotFacts(standard, allocator_backend(), torch.cuda.is_current_stream_capturing(), version)
+    return SlotFacts(standard, allocator_backend(), torch.cuda.is_current_stream_capturing(), version,
+                     _graphs_captured, id(slot) in _lent)
 
 
 @lru_cache(maxsize=None)
@@ -96,3 +109,51 @@ def release_on_current_stream(slots: List[torch.Tensor]) -> None:
     with compat.subclass_hooks_off():
         for slot in slots:
             slot.record_stream(stream)
+
+
+# What the hooks ``watch`` installs have seen: whether a graph was ever captured here, and
+# the tensors lent through __cuda_array_interface__ (id -> a weak reference that forgets it).
+_graphs_captured = False
+_lent: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+_watching = False
+
+
+def watch() -> None:
+    """Install the two hooks (idempotent; at import, so that what happens before ``patch()`` counts).
+
+    Both only note a fact and then do exactly what torch does: ``CUDAGraph.capture_begin`` notes that
+    a graph was captured, ``Tensor.__cuda_array_interface__`` notes the tensor that lent itself.
+    """
+    global _watching
+    if _watching:
+        return
+    _watching = True
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if graph is not None and hasattr(graph, "capture_begin"):
+        graph.capture_begin = _noting_capture(graph.capture_begin)
+    interface = torch.Tensor.__dict__.get("__cuda_array_interface__")
+    if isinstance(interface, property) and interface.fget is not None:
+        noted = property(_noting_loan(interface.fget), doc=interface.__doc__)
+        torch.Tensor.__cuda_array_interface__ = noted  # type: ignore[assignment]
+
+
+def _noting_capture(capture_begin: Callable[..., Any]) -> Callable[..., Any]:
+    def capture_begin_noted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _graphs_captured
+        _graphs_captured = True  # before the capture: a capture that fails may still have begun
+        return capture_begin(self, *args, **kwargs)
+    capture_begin_noted.__wrapped__ = capture_begin  # type: ignore[attr-defined]
+    return capture_begin_noted
+
+
+def _noting_loan(fget: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    def cuda_array_interface(self: torch.Tensor) -> Any:
+        interface = fget(self)  # raises for a CPU tensor, as torch's does: nothing is lent then
+        key = id(self)
+        _lent[key] = weakref.ref(self, lambda ref: _lent.pop(key, None) if _lent.get(key) is ref else None)
+        return interface
+    cuda_array_interface.__wrapped__ = fget  # type: ignore[attr-defined]
+    return cuda_array_interface
+
+
+watch()

@@ -22,7 +22,9 @@ from torch.overrides import has_torch_function
 
 from memgather import compat, config
 from memgather.engine import elision, groups, routes
-from memgather.engine.strategies import DIRECT, IN_SLOTS, Plan, Reason, even, fallback, fill_in_slots, plan, stage
+from memgather.engine.strategies import (
+    DIRECT, IN_SLOTS, STAGED, Plan, Reason, even, fallback, fill_in_slots, plan, stage,
+)
 
 # (MEMGATHER_GLOO_MIN_BYTES, MEMGATHER_NCCL_MIN_BYTES); a new tuple each configure().
 _thresholds: Tuple[Optional[int], Optional[int]] = (None, None)
@@ -102,6 +104,8 @@ def quick_reason(tensor_list: Any, tensor: Any, group: Any, elide: bool) -> Opti
 def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: bool) -> Decision:
     """The strategy and route this rank would take for the call, or the reason it falls back."""
     reason = _precondition(tensor_list, tensor, group)
+    if reason is Reason.TORCH_FUNCTION and elide and compat.torch_function_mode_only(tensor):
+        return _under_function_mode(tensor_list, tensor, group, async_op, elide)
     if reason is not None:
         return Decision(fallback(reason))
     if not (async_op is False or async_op is True or async_op is None) and compat.async_op_refused(async_op):
@@ -147,6 +151,18 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
     return Decision(chosen, route, info, gathered, watched)
 
 
+def _under_function_mode(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: bool) -> Decision:
+    """A ``TorchFunctionMode`` of this rank's own (``with torch.device(...)``) is not a fact every rank
+    shares: on a route every rank takes it must not send this rank to torch's call alone. The call
+    is planned as if the mode were not there, and staged under it (the mode sees memgather's own
+    calls); on any other route the mode's call is torch's, as before."""
+    with torch._C.DisableTorchFunction():
+        decision = decide(tensor_list, tensor, group, async_op, elide)
+    if decision.route is None or not decision.route.every_rank:
+        return Decision(fallback(Reason.TORCH_FUNCTION))
+    return decision._replace(plan=STAGED) if decision.plan.rewires else decision
+
+
 def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optional[routes.Route]:
     """The single-tensor route gather() takes into ``out`` at once, if any: a small gather on a
     gloo or legacy NCCL group, where all_gather's preconditions hold (gather() checked the group)."""
@@ -170,8 +186,9 @@ def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
 
 
 def _plain_input(tensor: torch.Tensor) -> bool:
-    """An input every rank of a working program gathers alike: a dense, non-empty, plain tensor."""
-    return (type(tensor) is torch.Tensor and tensor.layout is torch.strided and tensor.numel() > 0
+    """An input every rank of a working program gathers alike: a dense, non-empty tensor (a subclass
+    that does not override ``__torch_function__``, such as ``nn.Parameter``, included)."""
+    return (isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and tensor.numel() > 0
             and not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg()))
 
 

@@ -24,6 +24,7 @@ class Reason(str, enum.Enum):
     COMPILING = "compiling"  # Dynamo maps all_gather to functional collectives itself
     COALESCING = "coalescing"  # inside _coalescing_manager, torch queues the op
     GRAPH_CAPTURE = "graph_capture"  # CUDA graph capture: no host sync, no allocation, no free may happen
+    CUDA_GRAPHS = "cuda_graphs"  # a CUDA graph was captured in this process: any CUDA slot may be one it replays
     NO_PRIMITIVE = "no_primitive"  # this torch has no single-tensor all-gather
     BACKEND = "backend"  # backend/device pair without a route known to be safe
     NCCL2 = "nccl2"  # ProcessGroupNCCL2 and no cat elided: torch fills the slots at the floor itself

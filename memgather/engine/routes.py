@@ -31,24 +31,27 @@ does the list call, so rewiring would save nothing and only add its own
 microseconds (``MEMGATHER_GLOO_MIN_BYTES`` moves the threshold; 0 rewires
 every gloo call).
 
-NCCL threshold. On CUDA (both NCCL flavours) a rewired call costs memgather's
-own Python, about 90 us above torch's call (the largest of ``memgather bench
---overhead``'s rewired rows, rounded up), and the default keeps that under 5 %
-of the collective's own time. An all-gather of t bytes per rank over w ranks
-moves t x (w - 1) bytes through each rank's link, so at a bus bandwidth B it
-takes t x (w - 1) / B; 90 us <= 5 % of that gives t >= 20 x 90 us x B / (w - 1).
-B is 480 GB/s, the largest nccl-tests ``busbw`` published for a current node
-(8 x H100 SXM over NVLink 4, 460 to 480 GB/s); across hosts over InfiniBand
-(400 Gbit/s NDR, about 48 GB/s per GPU) the collective takes ten times longer
-and the same rule would allow a tenth of the size. So the default is
-864 MB / (w - 1) per rank (a world of 1 counts as 2): 864 MB at 2 ranks,
-123 MB at 8. The rule credits memgather with nothing it saves (legacy NCCL's
-copy out of its temporary, or the elided ``torch.cat``: each a device copy of
-the gathered size) and ignores that the CPU usually runs ahead of the GPU, so
-it errs towards leaving calls to torch. Memory-bound jobs lower it with
-``MEMGATHER_NCCL_MIN_BYTES`` (0 rewires every call). Every input is the same on
-every rank, so the ranks agree; on legacy NCCL both kinds of call run the same
-ncclAllGather anyway, so ranks set differently still meet.
+NCCL threshold. On CUDA (both NCCL flavours) the default keeps memgather's own
+time under 5 % of the collective's. memgather's Python per rewired call is about
+90 us above torch's call at 2 ranks (the largest of ``memgather bench
+--overhead``'s rewired rows, rounded up) and grows with the ranks, one slot each:
+``python benchmarks/overhead_by_world.py`` fits 26.5 us + 4.77 us per rank on the
+fake backend, and CUDA adds per slot the allocator facts and a ``record_stream``,
+so the rule takes 90 us + 10 us per rank beyond 2. An all-gather of t bytes per
+rank over w ranks moves t x (w - 1) bytes through each rank's link, taking
+t x (w - 1) / B at a bus bandwidth B; the overhead at most 5 % of that gives
+t >= 20 x overhead x B / (w - 1). B is 480 GB/s, the largest nccl-tests
+``busbw`` published for a current node (8 x H100 SXM over NVLink 4, 460 to 480
+GB/s); across hosts over InfiniBand (400 Gbit/s NDR, about 48 GB/s per GPU) the
+collective takes ten times longer. So the default is 864 MB per rank at 2 ranks
+(a world of 1 counts as 2), 206 MB at 8, 108 MB at 64. The rule credits
+memgather with nothing it saves (legacy NCCL's copy out of its temporary, or the
+elided ``torch.cat``: each a device copy of the gathered size) and ignores that
+the CPU usually runs ahead of the GPU, so it errs towards leaving calls to
+torch. Memory-bound jobs lower it with ``MEMGATHER_NCCL_MIN_BYTES`` (0 rewires
+every call). Every input is the same on every rank, so the ranks agree; on
+legacy NCCL both kinds of call run the same ncclAllGather anyway, so ranks set
+differently still meet.
 
 ProcessGroupNCCL2 fills a list's slots itself with one ncclBroadcast per rank
 (no temporary), and its single-tensor call is an ncclAllGather: the two never
@@ -63,7 +66,6 @@ on that rank alone).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, FrozenSet, List, Optional
@@ -75,11 +77,12 @@ from memgather import compat
 from memgather.engine import groups, pages, slots
 
 BROADCAST_MIN_BYTES_PER_RANK = 2 << 20
-# The NCCL threshold's rule (see "NCCL threshold" above): per rank, 20 x OVERHEAD_S x BUS_BANDWIDTH / (w - 1).
-NCCL_OVERHEAD_S = 90e-6
-NCCL_BUS_BANDWIDTH = 480e9  # bytes per second
-NCCL_OVERHEAD_SHARE = 0.05
-
+# The NCCL threshold's rule (see "NCCL threshold" above), in integers: per rank,
+# OVERHEAD_SHARE_INVERSE x overhead(w) x BUS_BYTES_PER_NS / (w - 1).
+NCCL_OVERHEAD_NS = 90_000  # memgather's own time per rewired call at 2 ranks
+NCCL_OVERHEAD_PER_RANK_NS = 10_000  # and for each rank beyond 2
+NCCL_BUS_BYTES_PER_NS = 480  # 480 GB/s
+NCCL_OVERHEAD_SHARE_INVERSE = 20  # at most 1/20 = 5 % of the collective's time
 
 @dataclass(frozen=True)
 class Route:
@@ -151,7 +154,9 @@ def nccl_threshold(setting: Optional[int], world: int) -> int:
     for ``world`` ranks (see "NCCL threshold" above)."""
     if setting is not None:
         return setting
-    return math.ceil(NCCL_BUS_BANDWIDTH * NCCL_OVERHEAD_S / NCCL_OVERHEAD_SHARE / max(world - 1, 1))
+    overhead_ns = NCCL_OVERHEAD_NS + NCCL_OVERHEAD_PER_RANK_NS * max(world - 2, 0)
+    budget = NCCL_OVERHEAD_SHARE_INVERSE * overhead_ns * NCCL_BUS_BYTES_PER_NS
+    return -(-budget // max(world - 1, 1))  # rounded up
 
 
 def gathered_limit(backend: str, device_type: str, nccl_flavour: Optional[str], world: int,

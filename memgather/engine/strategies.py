@@ -217,12 +217,13 @@ def even(tensor_list: list, tensor: torch.Tensor) -> bool:
 
 
 # What a rank may refuse a rebind for on its own while every other rank rebinds: its slots'
-# memory, layout or aliasing, or a dispatch mode of its own. The staged copy writes such
+# memory, layout or aliasing, or a dispatch mode of its own (a torch-function mode of its own:
+# planner._under_function_mode). The staged copy writes such
 # slots as torch's call would (the bytes, where each slot lies).
 _STAGEABLE = frozenset((
     Reason.DISPATCH_MODE, Reason.SLOT_SUBCLASS, Reason.DUPLICATE_SLOT, Reason.INPUT_OVERLAPS_OUTPUT,
     Reason.INPUT_NOT_CONTIGUOUS, Reason.SLOT_NOT_CONTIGUOUS, Reason.SLOTS_SHARED, Reason.SLOT_MEMORY,
-    Reason.SLOT_WRITTEN, Reason.CANNOT_PROVE_EXCLUSIVE,
+    Reason.SLOT_WRITTEN, Reason.CUDA_GRAPHS, Reason.CANNOT_PROVE_EXCLUSIVE,
 ))
 
 

@@ -88,8 +88,8 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
 
     setting = os.environ.get("TORCH_DIST_USE_NCCL2")
     if nccl_min_bytes is None:
-        threshold = (f"{routes.nccl_threshold(None, 2) / 1e6:.0f} MB / (ranks - 1) per rank "
-                     f"({routes.nccl_threshold(None, 8) / 1e6:.0f} MB at 8 ranks)")
+        threshold = ", ".join(f"{routes.nccl_threshold(None, world) / 1e6:.0f} MB per rank at {world} ranks"
+                              for world in (2, 8, 64))
     else:
         threshold = f"{_size(nccl_min_bytes)} per rank"
     default = compat.default_nccl_flavour(torch.__version__, setting)

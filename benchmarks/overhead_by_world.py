@@ -1,0 +1,80 @@
+"""What memgather's own time per rewired call grows with: the number of ranks (one slot each).
+
+    python benchmarks/overhead_by_world.py [--worlds 2,8,16,64] [--calls 2000]
+
+For each world size, in a fresh process on torch's no-op ``fake`` backend (so the
+collective itself costs nothing), a gather of fresh 4 KiB slots is timed under
+torch's ``all_gather`` and under ``memgather.all_gather`` (every call rewired:
+``MEMGATHER_NCCL_MIN_BYTES=0``), taking turns for 7 rounds; it prints the medians,
+memgather's excess and the least-squares line excess = a + b x world that the NCCL
+threshold's rule uses (``memgather.engine.routes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import List, Tuple
+
+_ONE_WORLD = """
+import json, statistics, sys, time
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+world, calls = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+import memgather
+tensor = torch.ones(1024)
+def run(gather):
+    started = time.perf_counter()
+    for _ in range(calls):
+        gather([torch.empty_like(tensor) for _ in range(world)], tensor)
+    return (time.perf_counter() - started) / calls * 1e6
+times = {"torch": [], "memgather": []}
+for _ in range(7):
+    times["torch"].append(run(dist.all_gather))
+    times["memgather"].append(run(memgather.all_gather))
+assert memgather.stats().rewired == 7 * calls, memgather.stats()
+print(json.dumps({name: statistics.median(values) for name, values in times.items()}))
+"""
+
+
+def measure(world: int, calls: int) -> Tuple[float, float]:
+    """Median microseconds per call, torch's and memgather's, at ``world`` ranks."""
+    env = {**os.environ, "MEMGATHER_NCCL_MIN_BYTES": "0", "TORCH_DISTRIBUTED_DEBUG": "OFF"}
+    done = subprocess.run([sys.executable, "-c", _ONE_WORLD, str(world), str(calls)], capture_output=True,
+                          text=True, env=env, timeout=600, check=True)
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    return row["torch"], row["memgather"]
+
+
+def fit(points: List[Tuple[int, float]]) -> Tuple[float, float]:
+    """(a, b) of the least-squares line y = a + b x."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - b * mean_x, b
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", default="2,8,16,64", help="comma-separated world sizes (default 2,8,16,64)")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per round (default 2000)")
+    args = parser.parse_args()
+    points = []
+    print(f"{'ranks':>6} {'torch us':>10} {'memgather us':>13} {'excess us':>10}")
+    for world in (int(w) for w in args.worlds.split(",")):
+        torchs, ours = measure(world, args.calls)
+        points.append((world, ours - torchs))
+        print(f"{world:>6} {torchs:>10.1f} {ours:>13.1f} {ours - torchs:>10.1f}")
+    if len(points) > 1:
+        a, b = fit(points)
+        print(f"excess ~= {a:.1f} us + {b:.2f} us x ranks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
