@@ -44,6 +44,14 @@ def peak(run):
     torch.cuda.synchronize()
     return out, torch.cuda.max_memory_allocated() - start
 
+def fresh(n, factory=torch.empty_like, stream=None):
+    '''build() for compare: an input of n floats and one fresh slot of it, made on stream (default: current).'''
+    def build():
+        t = torch.arange(n, dtype=torch.float32, device="cuda")
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            return [factory(t)], t
+    return build
+
 def compare(build, gather_kwargs=None, use=lambda slots: torch.cat(slots)):
     '''build() -> (slots, tensor); torch's all_gather + use(slots) against memgather's.'''
     results = {}
@@ -91,11 +99,7 @@ def test_fresh_slots_are_rebound_and_the_cat_elided(factory: str) -> None:
     """Legacy NCCL: beyond the slots, torch's temporary and then its cat (N each); memgather's buffer
     takes the freed slots' place and the cat returns it (nothing beyond them)."""
     results = _run(f"""
-        n = 4 << 20
-        def build():
-            t = torch.arange(n, dtype=torch.float32, device="cuda")
-            return [torch.{factory}(t)], t
-        print(json.dumps(compare(build, {{"elide": True}})))
+        print(json.dumps(compare(fresh(4 << 20, torch.{factory}), {{"elide": True}})))
     """)
     ours = _same(results)
     assert ours["strategies"] == {"rebind": 1} and ours["moved"], results
@@ -105,11 +109,7 @@ def test_fresh_slots_are_rebound_and_the_cat_elided(factory: str) -> None:
 def test_a_kept_list_is_rebound() -> None:
     """Without a cat: the slots become views of one buffer and torch's temporary is saved."""
     results = _run("""
-        n = 4 << 20
-        def build():
-            t = torch.arange(n, dtype=torch.float32, device="cuda")
-            return [torch.empty_like(t)], t
-        print(json.dumps(compare(build, {}, use=lambda slots: slots[0])))
+        print(json.dumps(compare(fresh(4 << 20), {}, use=lambda slots: slots[0])))
     """)
     ours = _same(results)
     assert ours["strategies"] == {"rebind": 1}, results
@@ -118,11 +118,7 @@ def test_a_kept_list_is_rebound() -> None:
 
 def test_async_rebind_holds_the_result_after_wait() -> None:
     results = _run("""
-        n = 1 << 20
-        def build():
-            t = torch.arange(n, dtype=torch.float32, device="cuda")
-            return [torch.empty_like(t)], t
-        print(json.dumps(compare(build, {"async_op": True, "elide": True})))
+        print(json.dumps(compare(fresh(1 << 20), {"async_op": True, "elide": True})))
     """)
     assert _same(results)["strategies"] == {"rebind": 1}, results
 
@@ -160,14 +156,7 @@ def test_slots_made_on_a_side_stream() -> None:
     """Slots allocated on another stream: recorded on the current one before they are freed, so the
     result is right and the block is not reused under work still queued."""
     results = _run("""
-        n = 4 << 20
-        side = torch.cuda.Stream()
-        def build():
-            t = torch.arange(n, dtype=torch.float32, device="cuda")
-            with torch.cuda.stream(side):
-                slots = [torch.empty_like(t)]
-            return slots, t
-        print(json.dumps(compare(build, {"elide": True})))
+        print(json.dumps(compare(fresh(4 << 20, stream=torch.cuda.Stream()), {"elide": True})))
     """)
     assert _same(results)["strategies"] == {"rebind": 1}, results
 
@@ -177,10 +166,7 @@ def test_slots_made_on_a_side_stream() -> None:
 def test_nccl2_rewires_elided_calls_only() -> None:
     """ProcessGroupNCCL2: an elided cat takes the single call (t + 2N -> t + N); a kept list stays with torch."""
     body = """
-        n = 4 << 20
-        def build():
-            t = torch.arange(n, dtype=torch.float32, device="cuda")
-            return [torch.empty_like(t)], t
+        build = fresh(4 << 20)
         print(json.dumps([compare(build, {"elide": True}), compare(build, {}, use=lambda s: s[0].clone())]))
     """
     elided, kept = _run(body, backend="nccl2")  # type: ignore[misc]
