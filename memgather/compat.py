@@ -121,6 +121,20 @@ def torch_function_mode_only(tensor: torch.Tensor) -> bool:
     return impl is _tensor_torch_function or impl is torch._C._disabled_torch_function_impl
 
 
+_function_mode_stack = getattr(torch.overrides, "_get_current_function_mode_stack", None)
+
+
+def only_device_modes(tensor: torch.Tensor) -> bool:
+    """Whether the only ``__torch_function__`` ``tensor`` sees is torch's own default-device mode
+    (``with torch.device(...)``, ``torch.set_default_device``). That mode only fills in the device of
+    factory calls that name none; memgather's name theirs, and torch's ``all_gather`` passes through
+    it unchanged, so memgather may act under it as if it were not there."""
+    if _function_mode_stack is None or not torch_function_mode_only(tensor):
+        return False
+    return all(type(mode).__name__ == "DeviceContext" and type(mode).__module__ == "torch.utils._device"
+               for mode in _function_mode_stack())
+
+
 def outside_modes() -> ContextManager[Any]:
     """A block that no torch function or dispatch mode, subclass hook or functorch transform sees."""
     stack = contextlib.ExitStack()
@@ -489,6 +503,15 @@ def async_op_refused(value: Any) -> bool:
     except TypeError:
         return True
     return False
+
+
+_create_work_from_future = getattr(getattr(torch._C, "_distributed_c10d", None), "_create_work_from_future", None)
+
+
+def work_from_future(future: Any) -> Any:
+    """A ``Work`` whose ``wait()`` waits for ``future`` (a CUDA future orders the waiting stream after
+    it); None where this torch has no such wrapper."""
+    return None if _create_work_from_future is None else _create_work_from_future(future)
 
 
 def collectives_checked(group: Any = None, device: Optional[torch.device] = None) -> bool:

@@ -69,26 +69,43 @@ def test_release_leaves_cpu_slots_alone() -> None:
     assert all(torch.equal(slot, torch.ones(3)) for slot in slots)
 
 
-def test_a_capture_is_noted_before_it_begins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hook on CUDAGraph.capture_begin notes the capture, then does what torch's does (here: raise,
-    as a capture that cannot begin does)."""
-    monkeypatch.setattr(cuda_memory, "_graphs_captured", False)
+def test_a_graph_counts_from_its_capture_until_it_is_freed_or_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hooks on capture_begin and reset note a graph before its capture begins (a capture that
+    cannot begin still raises, as torch's does) and forget it when it is reset or freed."""
+    monkeypatch.setattr(cuda_memory, "_graphs", {})
 
-    def capture_begin(graph: object, pool: object = None) -> None:
-        raise RuntimeError("no CUDA here")
+    class Graph:
+        def capture_begin(self, pool: object = None) -> None:
+            raise RuntimeError("no CUDA here")
 
-    noted = cuda_memory._noting_capture(capture_begin)
-    with pytest.raises(RuntimeError, match="no CUDA here"):
-        noted(object(), pool=None)
-    assert cuda_memory._graphs_captured is True
+        def reset(self) -> None:
+            pass
+
+    cuda_memory._hook(Graph, "capture_begin", cuda_memory._noting_capture)
+    cuda_memory._hook(Graph, "reset", cuda_memory._noting_reset)
+    cuda_memory._hook(Graph, "capture_begin", cuda_memory._noting_capture)  # idempotent
+    assert Graph.capture_begin.__wrapped__.__name__ == "capture_begin"
+    assert not hasattr(Graph.capture_begin.__wrapped__, "_memgather_hook")
+    first, second = Graph(), Graph()
+    for graph in (first, second):
+        with pytest.raises(RuntimeError, match="no CUDA here"):
+            graph.capture_begin(pool=None)
+    assert cuda_memory.graphs_alive()
+    del graph
+    first.reset()
+    assert cuda_memory.graphs_alive()
+    del second
+    assert not cuda_memory.graphs_alive()
 
 
 def test_the_hooks_are_installed_and_torch_behaves_as_before() -> None:
     import torch
 
+    assert torch.cuda.CUDAGraph.capture_begin.__name__ == "capture_begin"
     assert torch.cuda.CUDAGraph.capture_begin.__wrapped__ is not None
     hooked = torch.Tensor.__dict__["__cuda_array_interface__"]
     assert hooked.fget.__wrapped__ is not None and hooked.__doc__ == hooked.fget.__wrapped__.__doc__
+    assert hooked.fget.__name__ == "__cuda_array_interface__"
     cpu = torch.ones(2)
     with pytest.raises(AttributeError, match="non-CUDA tensor"):
         cpu.__cuda_array_interface__

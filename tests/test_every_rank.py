@@ -55,7 +55,7 @@ class _Seen(TorchDispatchMode):
 
 def _slots(case: str, n: int) -> List[torch.Tensor]:
     """Two slots of shape (n, 3) as ``case`` builds them."""
-    if case in ("fresh", "dispatch_mode", "function_mode", "parameter_input"):  # the slots are fresh
+    if case in ("fresh", "dispatch_mode", "function_mode", "device_mode", "parameter_input"):  # the slots are fresh
         return [torch.empty(n, 3) for _ in range(2)]
     if case == "reversed_views":  # views of one buffer, out of rank order: neither direct nor rebindable
         base = torch.full((2, n, 3), -1.0)
@@ -91,7 +91,7 @@ def mixed(ctx: Any, case: str, async_op: bool, stage_refusals: bool = True) -> D
         ours = _slots(built, n)
         addresses = [slot.data_ptr() for slot in ours]
         memgather.reset_stats()
-        modes = {"dispatch_mode": _Seen, "function_mode": lambda: torch.device("cpu")}  # a TorchFunctionMode
+        modes = {"dispatch_mode": _Seen, "function_mode": _Logged, "device_mode": lambda: torch.device("cpu")}
         mode = modes[case]() if case in modes and ctx.rank == 0 else contextlib.nullcontext()
         with mode:
             work = memgather.all_gather(ours, given, elide=True, async_op=async_op)
@@ -112,7 +112,7 @@ def mixed(ctx: Any, case: str, async_op: bool, stage_refusals: bool = True) -> D
 
 
 CASES = ["fresh", "reversed_views", "storage_kept", "not_contiguous", "shared_memory", "dispatch_mode",
-         "function_mode", "parameter_input"]
+         "function_mode", "device_mode", "parameter_input"]
 
 
 @pytest.mark.parametrize("async_op", [False, True])
@@ -121,7 +121,9 @@ def test_a_rank_that_cannot_rebind_takes_the_same_collective(pools: Any, case: s
     """Rank 0 stages (or, with fresh slots, rebinds), rank 1 rebinds; both take the single call,
     DETAIL's check finds every rank's collectives alike, and the result is torch's, bit for bit."""
     first, second = unwrap(pools(2, **DETAIL).run(mixed, case, async_op))
-    staged = case not in ("fresh", "parameter_input")  # a mode's rank stages: the mode sees ordinary calls
+    # A mode's rank stages (the mode sees ordinary calls), but for torch's default-device mode, which
+    # changes nothing memgather does.
+    staged = case not in ("fresh", "parameter_input", "device_mode")
     assert first["strategies"] == ({"staged": 1} if staged else {"rebind": 1}), first
     assert second["strategies"] == {"rebind": 1}, second
     for result in (first, second):
@@ -172,3 +174,50 @@ def test_slots_torch_refuses_are_not_staged(odd: Any) -> None:
 
 def test_rebind_is_not_staged() -> None:
     assert strategies.stage(REBIND, [torch.empty(3)], torch.ones(3)) is REBIND
+
+
+class _Logged(torch.overrides.TorchFunctionMode):
+    """A mode of the user's own: it sees every torch function called under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def under_mode(ctx: Any, mode: str, on_ranks: List[int]) -> Dict[str, Any]:
+    """gloo's own routes (no stand-in): a fresh-slot gather under ``mode`` on ``on_ranks`` only."""
+    import memgather
+
+    given = torch.arange(6.0) + 10 * ctx.rank
+    slots = [torch.empty(6) for _ in range(ctx.world)]
+    want = [torch.arange(6.0) + 10 * rank for rank in range(ctx.world)]
+    memgather.reset_stats()
+    active = {"device": lambda: torch.device("cpu"), "logged": _Logged}[mode]() if ctx.rank in on_ranks \
+        else contextlib.nullcontext()
+    with active:
+        memgather.all_gather(slots, given)
+    stats = memgather.stats()
+    return {"equal": all(torch.equal(s, w) for s, w in zip(slots, want)), "strategies": dict(stats.by_strategy),
+            "fallbacks": dict(stats.fallbacks), "seen": getattr(active, "seen", None)}
+
+
+@pytest.mark.parametrize("on_ranks", [[0], [0, 1]], ids=["one rank", "every rank"])
+def test_the_default_device_mode_changes_nothing(pools: Any, on_ranks: List[int]) -> None:
+    """``with torch.device(...)`` / ``set_default_device`` only names the device of factory calls that
+    name none: memgather acts under it as without it, on one rank or on all."""
+    for result in unwrap(pools(2, **DETAIL).run(under_mode, "device", on_ranks)):
+        assert result["equal"] and result["fallbacks"] == {} and result["strategies"] == {"in_slots": 1}, result
+
+
+def test_a_mode_of_one_ranks_own_takes_the_others_to_torch(pools: Any) -> None:
+    """On a route the ranks agree on (gloo's broadcasts), a user's TorchFunctionMode on rank 0 sends it to
+    torch's call, which the mode sees as under torch; the exchange takes rank 1 along, instead of rank 0
+    meeting rank 1's broadcasts with a list call."""
+    first, second = unwrap(pools(2, **DETAIL).run(under_mode, "logged", [0]))
+    assert first["equal"] and second["equal"], (first, second)
+    assert first["fallbacks"] == {"torch_function": 1} and "all_gather" in first["seen"], first
+    assert second["fallbacks"] == {"peer_fallback": 1}, second

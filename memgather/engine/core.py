@@ -297,14 +297,24 @@ def _stage(route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.T
     if work is None:
         slots.fill_from(tensor_list, flat)
         return None
-    # The copy needs the bytes: the current stream waits for the collective now (torch's list call
-    # would let it run on until the caller's wait()); waiting again later is harmless.
-    work.wait()
-    slots.fill_from(tensor_list, flat)
+
+    def copy_out(_: Any) -> List[torch.Tensor]:
+        # Run once the gather is done: CUDA futures run it on a stream ordered after the collective
+        # (and order the caller's stream after it at wait(), whichever stream that is), gloo in its
+        # worker thread. The temporary is recorded there, so its block is reused only after the copy.
+        with torch.no_grad():
+            slots.fill_from(tensor_list, flat)
+        if flat.is_cuda:
+            flat.record_stream(torch.cuda.current_stream(flat.device))
+        return tensor_list
+
+    chained = compat.work_from_future(work.get_future().then(copy_out))
+    if chained is not None:
+        return chained  # as asynchronous as torch's own call: no wait here
+    work.wait()  # a torch that cannot wrap a future in a work: the copy needs the bytes now
+    copy_out(None)
     if flat.is_cuda:
-        # The caller's wait() orders its stream after the collective, not after this copy, and it may
-        # wait on another stream than this one: the host waits for the copy, so every stream sees it.
-        torch.cuda.current_stream(flat.device).synchronize()
+        torch.cuda.current_stream(flat.device).synchronize()  # every stream the caller may wait on sees it
     return work
 
 

@@ -50,14 +50,15 @@ class Stats:
     """A snapshot of this process's counters since start or ``reset_stats()``.
 
     ``by_strategy`` counts calls per strategy ("direct", "rebind",
-    "in_slots", "into_result", "fallback"), ``by_route`` calls memgather carried out per
-    collective ("single_staged", "single_in_place", "broadcast", "ring"),
+    "in_slots", "staged", "into_result", "fallback"), ``by_route`` calls memgather carried out per
+    collective ("single_staged", "single_in_place", "single_every_rank", "broadcast", "ring"),
     ``fallbacks`` fallback calls per reason, ``elided``
     ``torch.cat`` / ``torch.stack`` calls that returned a gathered buffer instead
     of a copy, ``verified`` rewired calls that verify mode found identical to the original. ``bytes_saved`` is
     what the backend's gathered-size temporary would have cost on the
-    unpatched path, summed over calls whose route avoids it (a model, not a
-    measurement: ``memgather bench`` measures).
+    unpatched path, summed over calls whose route avoids it (gloo's broadcasts
+    and ring, legacy NCCL's single call; not ProcessGroupNCCL2, which has none): a model, not a
+    measurement (``memgather bench`` measures).
     """
 
     by_strategy: Mapping[str, int] = field(default_factory=dict)

@@ -18,11 +18,12 @@ decided by ``refusal`` from those facts alone:
   version counter, so nothing shows it fresh: both are left to torch.
 - **CUDA graphs.** A graph bakes in the addresses it reads and writes, and its
   static tensors may well be at version 0 (an output of an out-of-place op, an
-  input only read). Once the process has captured a graph (``watch``'s hook on
-  ``torch.cuda.CUDAGraph.capture_begin``, which ``torch.cuda.graph``,
-  ``make_graphed_callables`` and ``torch.compile``'s CUDA graphs all go
-  through), no CUDA slot is rebound: any of them may be memory a graph replays.
-  Nothing is freed or allocated while the current stream captures either.
+  input only read). While a graph captured in this process is alive (``watch``'s
+  hooks on the graph classes' ``capture_begin``, which ``torch.cuda.graph``,
+  ``make_graphed_callables`` and ``torch.compile``'s CUDA graphs all go through;
+  a graph is forgotten when it is freed or ``reset``), no CUDA slot is rebound:
+  any of them may be memory a graph replays. Nothing is freed or allocated while
+  the current stream captures either.
 - **Memory lent out.** ``__cuda_array_interface__`` (how CuPy and Numba borrow a
   tensor) keeps only a Python reference to the tensor, which no count shows:
   ``watch`` notes each tensor that lends itself so, and such a slot stays where
@@ -42,6 +43,7 @@ without ``record_stream``, as for every tensor a program drops.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from functools import lru_cache
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
@@ -59,7 +61,7 @@ class SlotFacts(NamedTuple):
     allocator: str  # torch.cuda.memory.get_allocator_backend(): "native", "cudaMallocAsync", "pluggable"
     capturing: bool  # the current stream is capturing a CUDA graph
     version: Optional[int]  # its version counter; None for an inference tensor, which has none
-    graphs_captured: bool = False  # this process has captured a CUDA graph
+    graphs_captured: bool = False  # a CUDA graph captured in this process is alive (it may replay)
     lent: bool = False  # the slot lent itself through __cuda_array_interface__
 
 
@@ -89,7 +91,7 @@ def read(slot: torch.Tensor) -> SlotFacts:
         del storage  # no reference of memgather's may keep the block alive through the rebind
         version = None if slot.is_inference() else slot._version
     return SlotFacts(standard, allocator_backend(), torch.cuda.is_current_stream_capturing(), version,
-                     _graphs_captured, id(slot) in _lent)
+                     graphs_alive(), id(slot) in _lent)
 
 
 @lru_cache(maxsize=None)
@@ -111,48 +113,86 @@ def release_on_current_stream(slots: List[torch.Tensor]) -> None:
             slot.record_stream(stream)
 
 
-# What the hooks ``watch`` installs have seen: whether a graph was ever captured here, and
-# the tensors lent through __cuda_array_interface__ (id -> a weak reference that forgets it).
-_graphs_captured = False
+# What the hooks ``watch`` installs have seen: the CUDA graphs captured and still alive (id -> a weak
+# reference that forgets it; None: one that takes no weak reference, kept for good), and the tensors
+# lent through __cuda_array_interface__.
+_graphs: Dict[int, Optional["weakref.ref[Any]"]] = {}
 _lent: Dict[int, "weakref.ref[torch.Tensor]"] = {}
-_watching = False
+_HOOKED = "_memgather_hook"
+
+
+def graphs_alive() -> bool:
+    """Whether a CUDA graph captured in this process may still replay."""
+    return bool(_graphs)
 
 
 def watch() -> None:
-    """Install the two hooks (idempotent; at import, so that what happens before ``patch()`` counts).
+    """Install the hooks (idempotent; at import, so that what happens before ``patch()`` counts).
 
-    Both only note a fact and then do exactly what torch does: ``CUDAGraph.capture_begin`` notes that
-    a graph was captured, ``Tensor.__cuda_array_interface__`` notes the tensor that lent itself.
+    Each notes a fact and then does exactly what torch's own method does: ``capture_begin`` of every
+    graph class torch has (``torch.cuda.CUDAGraph``, ``torch.accelerator.Graph`` and their C bases)
+    notes the graph, its ``reset`` forgets it, ``Tensor.__cuda_array_interface__`` notes the tensor
+    that lent itself. A capture made outside torch (CuPy's on torch's stream) is not seen.
     """
-    global _watching
-    if _watching:
-        return
-    _watching = True
-    graph = getattr(torch.cuda, "CUDAGraph", None)
-    if graph is not None and hasattr(graph, "capture_begin"):
-        graph.capture_begin = _noting_capture(graph.capture_begin)
+    accelerator = getattr(torch, "accelerator", None)
+    for cls in (getattr(torch._C, "_CUDAGraph", None), getattr(torch._C, "_acceleratorGraph", None),
+                getattr(torch.cuda, "CUDAGraph", None), getattr(accelerator, "Graph", None)):
+        if cls is None:
+            continue
+        _hook(cls, "capture_begin", _noting_capture)
+        _hook(cls, "reset", _noting_reset)
     interface = torch.Tensor.__dict__.get("__cuda_array_interface__")
-    if isinstance(interface, property) and interface.fget is not None:
+    if isinstance(interface, property) and interface.fget is not None and not hasattr(interface.fget, _HOOKED):
         noted = property(_noting_loan(interface.fget), doc=interface.__doc__)
         torch.Tensor.__cuda_array_interface__ = noted  # type: ignore[assignment]
 
 
+def _hook(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """``cls.name`` replaced by ``make(cls.name)``, once, where ``cls`` defines it itself."""
+    method = cls.__dict__.get(name)
+    if method is None or not callable(method) or hasattr(method, _HOOKED):
+        return
+    try:
+        setattr(cls, name, make(method))
+    except (AttributeError, TypeError):  # a class that takes no new attribute: its captures go unseen
+        pass
+
+
 def _noting_capture(capture_begin: Callable[..., Any]) -> Callable[..., Any]:
-    def capture_begin_noted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _graphs_captured
-        _graphs_captured = True  # before the capture: a capture that fails may still have begun
+    @functools.wraps(capture_begin)
+    def noted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _remember_graph(self)  # before the capture: one that fails may still have begun
         return capture_begin(self, *args, **kwargs)
-    capture_begin_noted.__wrapped__ = capture_begin  # type: ignore[attr-defined]
-    return capture_begin_noted
+    setattr(noted, _HOOKED, True)
+    return noted
+
+
+def _noting_reset(reset: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(reset)
+    def noted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = reset(self, *args, **kwargs)
+        _graphs.pop(id(self), None)  # its memory is released: it replays nothing any more
+        return result
+    setattr(noted, _HOOKED, True)
+    return noted
+
+
+def _remember_graph(graph: Any) -> None:
+    key = id(graph)
+    try:
+        _graphs[key] = weakref.ref(graph, lambda ref: _graphs.pop(key, None) if _graphs.get(key) is ref else None)
+    except TypeError:  # no weak reference to it: counted as alive for good
+        _graphs[key] = None
 
 
 def _noting_loan(fget: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    @functools.wraps(fget)
     def cuda_array_interface(self: torch.Tensor) -> Any:
         interface = fget(self)  # raises for a CPU tensor, as torch's does: nothing is lent then
         key = id(self)
         _lent[key] = weakref.ref(self, lambda ref: _lent.pop(key, None) if _lent.get(key) is ref else None)
         return interface
-    cuda_array_interface.__wrapped__ = fget  # type: ignore[attr-defined]
+    setattr(cuda_array_interface, _HOOKED, True)
     return cuda_array_interface
 
 

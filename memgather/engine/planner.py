@@ -67,7 +67,7 @@ class Decision(NamedTuple):  # not a frozen dataclass: its __init__ costs three 
     route: Optional[routes.Route] = None
     info: Optional[groups.GroupInfo] = None
     gathered: Optional[int] = None  # bytes of the slots; None unless they are a list of world tensors
-    watched: bool = False  # a dispatch mode is active: the agreement round runs outside it
+    watched: bool = False  # a dispatch mode (or a torch-function mode) is active: the agreement round runs outside it
 
     def needs_agreement(self, check: bool) -> bool:
         """Whether the ranks must agree first: check mode, or a route every rank must share."""
@@ -104,7 +104,7 @@ def quick_reason(tensor_list: Any, tensor: Any, group: Any, elide: bool) -> Opti
 def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: bool) -> Decision:
     """The strategy and route this rank would take for the call, or the reason it falls back."""
     reason = _precondition(tensor_list, tensor, group)
-    if reason is Reason.TORCH_FUNCTION and elide and compat.torch_function_mode_only(tensor):
+    if reason is Reason.TORCH_FUNCTION and compat.torch_function_mode_only(tensor):
         return _under_function_mode(tensor_list, tensor, group, async_op, elide)
     if reason is not None:
         return Decision(fallback(reason))
@@ -152,15 +152,20 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
 
 
 def _under_function_mode(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: bool) -> Decision:
-    """A ``TorchFunctionMode`` of this rank's own (``with torch.device(...)``) is not a fact every rank
-    shares: on a route every rank takes it must not send this rank to torch's call alone. The call
-    is planned as if the mode were not there, and staged under it (the mode sees memgather's own
-    calls); on any other route the mode's call is torch's, as before."""
+    """A ``TorchFunctionMode`` of this rank's own is not a fact every rank shares: where the ranks
+    must take one route alike, it must not send this rank to torch's call alone. The call is planned
+    as if the mode were not there; then, on a route every rank takes (ProcessGroupNCCL2), it is
+    staged under the mode (which sees memgather's own calls); on a route the ranks agree on, this
+    rank's fallback is settled in the exchange (run outside the mode), so that the others fall back
+    with it; on any other route the mode gets torch's call, as before."""
     with torch._C.DisableTorchFunction():
         decision = decide(tensor_list, tensor, group, async_op, elide)
-    if decision.route is None or not decision.route.every_rank:
-        return Decision(fallback(Reason.TORCH_FUNCTION))
-    return decision._replace(plan=STAGED) if decision.plan.rewires else decision
+    route = decision.route
+    if route is not None and route.every_rank:
+        return decision._replace(plan=STAGED) if decision.plan.rewires else decision
+    if route is not None and route.needs_agreement and decision.gathered is not None:
+        return decision._replace(plan=fallback(Reason.TORCH_FUNCTION), watched=True)
+    return Decision(fallback(Reason.TORCH_FUNCTION))
 
 
 def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optional[routes.Route]:
@@ -244,7 +249,7 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
     """Reasons to stay out that hold alike on every rank of the group."""
     if not isinstance(tensor, torch.Tensor):
         return Reason.NOT_A_TENSOR
-    if has_torch_function((tensor,)):
+    if has_torch_function((tensor,)) and not compat.only_device_modes(tensor):
         return Reason.TORCH_FUNCTION
     if tensor.is_meta:
         # No data: nothing to lay out, and no exchange for check mode either (its rows would be meta

@@ -78,7 +78,9 @@ def fill_from(slots: List[torch.Tensor], flat: torch.Tensor) -> None:
     rank order), as torch's list call leaves it."""
     with compat.subclass_hooks_off():  # memgather writing its own bytes: no subclass hook runs
         for slot, part in zip(slots, views(flat, len(slots), slots[0].shape)):
-            slot.copy_(part)
+            # .data: the same memory with a version counter of its own, so that a copy made after the
+            # call returned (an async call's) leaves the counters where mark_written put them
+            slot.data.copy_(part)
 
 
 def tile_their_storage(slots: List[torch.Tensor]) -> bool:

@@ -88,10 +88,13 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
 
     setting = os.environ.get("TORCH_DIST_USE_NCCL2")
     if nccl_min_bytes is None:
-        threshold = ", ".join(f"{routes.nccl_threshold(None, world) / 1e6:.0f} MB per rank at {world} ranks"
-                              for world in (2, 8, 64))
+        sizes = ", ".join(f"{routes.nccl_threshold(None, world) / 1e6:.0f} MB per rank at {world} ranks"
+                          for world in (2, 8, 64))
+        threshold = f"Calls under {sizes} stay with torch (MEMGATHER_NCCL_MIN_BYTES). "
+    elif nccl_min_bytes == 0:
+        threshold = "Calls of every size are rewired (MEMGATHER_NCCL_MIN_BYTES=0). "
     else:
-        threshold = f"{_size(nccl_min_bytes)} per rank"
+        threshold = f"Calls under {_size(nccl_min_bytes)} per rank stay with torch (MEMGATHER_NCCL_MIN_BYTES). "
     default = compat.default_nccl_flavour(torch.__version__, setting)
     if compat.can_prove_exclusive():
         fresh = f"fresh slots ({cuda_slots()}) are released and rebound to one buffer that {primitive} fills"
@@ -101,7 +104,7 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
         cat = ""
     shown = "unset" if setting is None else repr(setting)
     return (f'"nccl" is the {default} group here (torch {torch.__version__}, TORCH_DIST_USE_NCCL2 {shown}). '
-            f"Calls under {threshold} stay with torch (MEMGATHER_NCCL_MIN_BYTES). "
+            f"{threshold}"
             f"Legacy ProcessGroupNCCL: {fresh}, slots that already are views of one buffer (DeepSpeed "
             f"ZeRO's) are filled where they lie: the gathered-size temporary of torch's list call is saved"
             f"{cat}. ProcessGroupNCCL2 (no temporary of its own): calls whose cat is elided take "
@@ -123,7 +126,8 @@ def cuda_slots() -> str:
             rule = f"allocator {backend}: rebindable"
         else:
             rule = f"allocator {backend}: none is rebound, its frees are not stream-ordered"
-    return f"made by torch's allocator and never written since, e.g. empty_like / zeros_like / clone; {rule}"
+    return (f"made by torch's allocator, never written since (e.g. empty_like / zeros_like / clone), not lent "
+            f"through __cuda_array_interface__, none while a captured CUDA graph lives; {rule}")
 
 
 def elision_lines(elide: Optional[bool]) -> List[str]:
