@@ -505,15 +505,6 @@ def async_op_refused(value: Any) -> bool:
     return False
 
 
-_create_work_from_future = getattr(getattr(torch._C, "_distributed_c10d", None), "_create_work_from_future", None)
-
-
-def work_from_future(future: Any) -> Any:
-    """A ``Work`` whose ``wait()`` waits for ``future`` (a CUDA future orders the waiting stream after
-    it); None where this torch has no such wrapper."""
-    return None if _create_work_from_future is None else _create_work_from_future(future)
-
-
 def collectives_checked(group: Any = None, device: Optional[torch.device] = None) -> bool:
     """Whether torch checks that every rank's collectives on ``group`` match (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 

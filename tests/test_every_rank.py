@@ -188,7 +188,7 @@ class _Logged(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def under_mode(ctx: Any, mode: str, on_ranks: List[int]) -> Dict[str, Any]:
+def under_mode(ctx: Any, mode: str, on_ranks: List[int], async_op: bool = False, check: bool = False) -> Dict[str, Any]:
     """gloo's own routes (no stand-in): a fresh-slot gather under ``mode`` on ``on_ranks`` only."""
     import memgather
 
@@ -199,7 +199,9 @@ def under_mode(ctx: Any, mode: str, on_ranks: List[int]) -> Dict[str, Any]:
     active = {"device": lambda: torch.device("cpu"), "logged": _Logged}[mode]() if ctx.rank in on_ranks \
         else contextlib.nullcontext()
     with active:
-        memgather.all_gather(slots, given)
+        work = memgather.all_gather(slots, given, async_op=async_op, check=check)
+    if work is not None:
+        work.wait()
     stats = memgather.stats()
     return {"equal": all(torch.equal(s, w) for s, w in zip(slots, want)), "strategies": dict(stats.by_strategy),
             "fallbacks": dict(stats.fallbacks), "seen": getattr(active, "seen", None)}
@@ -213,11 +215,12 @@ def test_the_default_device_mode_changes_nothing(pools: Any, on_ranks: List[int]
         assert result["equal"] and result["fallbacks"] == {} and result["strategies"] == {"in_slots": 1}, result
 
 
-def test_a_mode_of_one_ranks_own_takes_the_others_to_torch(pools: Any) -> None:
-    """On a route the ranks agree on (gloo's broadcasts), a user's TorchFunctionMode on rank 0 sends it to
-    torch's call, which the mode sees as under torch; the exchange takes rank 1 along, instead of rank 0
-    meeting rank 1's broadcasts with a list call."""
-    first, second = unwrap(pools(2, **DETAIL).run(under_mode, "logged", [0]))
+@pytest.mark.parametrize("async_op,check", [(False, False), (True, True)], ids=["broadcasts", "async, check"])
+def test_a_mode_of_one_ranks_own_takes_the_others_to_torch(pools: Any, async_op: bool, check: bool) -> None:
+    """Where the ranks agree first (gloo's broadcasts; check mode), a user's TorchFunctionMode on rank 0
+    sends it to torch's call, which the mode sees as under torch; the exchange takes rank 1 along,
+    instead of rank 0 meeting rank 1's broadcasts (or its exchange) with a list call."""
+    first, second = unwrap(pools(2, **DETAIL).run(under_mode, "logged", [0], async_op, check))
     assert first["equal"] and second["equal"], (first, second)
     assert first["fallbacks"] == {"torch_function": 1} and "all_gather" in first["seen"], first
     assert second["fallbacks"] == {"peer_fallback": 1}, second

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from memgather import compat, config
-from memgather.engine import agreement, counters, elision, pages, planner, routes, slots, verification
+from memgather.engine import agreement, counters, elision, pages, planner, routes, slots, staged, verification
 from memgather.engine.strategies import DIRECT, REBIND, STAGED, Plan, Reason, Strategy, fallback
 
 _log = logging.getLogger("memgather")
@@ -271,7 +271,7 @@ def _write(
         elision.arm(tensor_list, region)
         return routes.run(route, region, tensor, group, async_op), region
     if chosen is STAGED:
-        return _stage(route, tensor_list, tensor, group, async_op), None
+        return staged.run(route, tensor_list, tensor, group, async_op), None
     if route.in_place and chosen is not REBIND:
         # Direct slots already are the views an in-place route fills, and in_slots ones are
         # filled where they lie: either way the slots themselves are the destinations.
@@ -284,38 +284,6 @@ def _write(
     if elide:
         elision.arm(tensor_list, flat)
     return routes.run(route, flat, tensor, group, async_op), flat
-
-
-def _stage(route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any,
-           async_op: bool) -> Any:
-    """The single-tensor call into a temporary, copied into the slots where they lie: the
-    collective every other rank takes, with torch's own cost (legacy NCCL's list call does this)."""
-    elision.settle(tensor_list)  # a slot sharing a handed-out result gets its own memory before the write
-    first = tensor_list[0]
-    flat = torch.empty(slots.flat_shape(first.shape, len(tensor_list)), dtype=first.dtype, device=first.device)
-    work = routes.run(route, flat, tensor, group, async_op)
-    if work is None:
-        slots.fill_from(tensor_list, flat)
-        return None
-
-    def copy_out(_: Any) -> List[torch.Tensor]:
-        # Run once the gather is done: CUDA futures run it on a stream ordered after the collective
-        # (and order the caller's stream after it at wait(), whichever stream that is), gloo in its
-        # worker thread. The temporary is recorded there, so its block is reused only after the copy.
-        with torch.no_grad():
-            slots.fill_from(tensor_list, flat)
-        if flat.is_cuda:
-            flat.record_stream(torch.cuda.current_stream(flat.device))
-        return tensor_list
-
-    chained = compat.work_from_future(work.get_future().then(copy_out))
-    if chained is not None:
-        return chained  # as asynchronous as torch's own call: no wait here
-    work.wait()  # a torch that cannot wrap a future in a work: the copy needs the bytes now
-    copy_out(None)
-    if flat.is_cuda:
-        torch.cuda.current_stream(flat.device).synchronize()  # every stream the caller may wait on sees it
-    return work
 
 
 def _verify(work: Any, gathered: List[torch.Tensor], tensor: torch.Tensor, group: Any, chosen: Plan) -> None:

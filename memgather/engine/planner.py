@@ -155,15 +155,18 @@ def _under_function_mode(tensor_list: Any, tensor: Any, group: Any, async_op: bo
     """A ``TorchFunctionMode`` of this rank's own is not a fact every rank shares: where the ranks
     must take one route alike, it must not send this rank to torch's call alone. The call is planned
     as if the mode were not there; then, on a route every rank takes (ProcessGroupNCCL2), it is
-    staged under the mode (which sees memgather's own calls); on a route the ranks agree on, this
-    rank's fallback is settled in the exchange (run outside the mode), so that the others fall back
-    with it; on any other route the mode gets torch's call, as before."""
+    staged under the mode (which sees memgather's own calls); elsewhere the mode gets torch's call,
+    and where the ranks agree first (check mode, an agreed route) that fallback is settled in the
+    exchange (run outside the mode), so that the others fall back with it."""
     with torch._C.DisableTorchFunction():
         decision = decide(tensor_list, tensor, group, async_op, elide)
     route = decision.route
     if route is not None and route.every_rank:
         return decision._replace(plan=STAGED) if decision.plan.rewires else decision
-    if route is not None and route.needs_agreement and decision.gathered is not None:
+    if decision.gathered is not None:
+        # Kept with its route: where the ranks agree first (check mode, an agreed route), this
+        # rank's fallback is settled in the exchange, outside the mode; elsewhere torch's call
+        # meets the others' single call on the wire.
         return decision._replace(plan=fallback(Reason.TORCH_FUNCTION), watched=True)
     return Decision(fallback(Reason.TORCH_FUNCTION))
 
