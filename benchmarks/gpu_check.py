@@ -219,9 +219,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 bench["rows"] = json.load(rows)
         summary["steps"].append(bench)
         summary["steps"].append(accelerate_step(args.wheels))
+        cuda_tests = "cuda or graph_capture or input_not_contiguous or nccl2 or slot_written"
         summary["steps"].append(_step("CUDA tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                                     "tests/test_cuda.py", "tests/test_fallbacks.py", "-k",
-                                                     "cuda or graph_capture or input_not_contiguous or nccl2"], 240))
+                                                     "tests/test_cuda.py", "tests/test_fallbacks.py", "-k", cuda_tests],
+                                      240))
         summary["steps"].append(two_ranks_step())
     with open(args.out, "w") as out:
         json.dump(summary, out, indent=2)
