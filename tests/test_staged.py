@@ -83,24 +83,20 @@ def test_is_completed_copies_only_once_torchs_work_is_done() -> None:
     assert work.is_completed() is True and slots[1].tolist() == [3.0, 4.0, 5.0]
 
 
-def test_the_future_gives_the_slots_filled() -> None:
+@pytest.mark.parametrize("fails", [False, True], ids=["done", "failed"])
+def test_the_future_gives_the_slots_filled_or_the_gathers_error(fails: bool) -> None:
     work, slots, _ = _staged(_Inner())
     parent = torch.futures.Future()
     work._inner.get_future = lambda: parent  # type: ignore[method-assign]
     future = work.get_future()
-    parent.set_result([torch.arange(6.0)])
-    assert future.wait() is slots and slots[0].tolist() == [0.0, 1.0, 2.0]
-
-
-def test_a_failed_future_writes_nothing() -> None:
-    work, slots, _ = _staged(_Inner())
-    parent = torch.futures.Future()
-    work._inner.get_future = lambda: parent  # type: ignore[method-assign]
-    future = work.get_future()
-    parent.set_exception(RuntimeError("gather failed"))
-    with pytest.raises(RuntimeError, match="gather failed"):
-        future.wait()
-    assert slots[0].tolist() == [-1.0] * 3
+    if fails:
+        parent.set_exception(RuntimeError("gather failed"))
+        with pytest.raises(RuntimeError, match="gather failed"):
+            future.wait()
+        assert slots[0].tolist() == [-1.0] * 3
+    else:
+        parent.set_result([torch.arange(6.0)])
+        assert future.wait() is slots and slots[0].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_a_work_dropped_unwaited_still_fills_the_slots() -> None:
