@@ -82,9 +82,10 @@ def quick_reason(tensor_list: Any, tensor: Any, group: Any, elide: bool) -> Opti
     clock of a 4 KiB gather; on NCCL, small calls save next to nothing (see
     routes, "NCCL threshold"). Calls on ProcessGroupNCCL2 whose cat is not
     elided are never rewired (torch fills the slots at the floor itself). So
-    all of them are recognised before anything else. A call this cannot settle at once (a group not seen before,
-    a subclass, a malformed list, another backend) takes ``decide``. Whatever
-    that would have decided, such a call ends with the original all_gather.
+    all of them are recognised before anything else. A call this cannot
+    settle at once (a group not seen before, a subclass, a malformed list,
+    another backend) takes ``decide``. Whatever that would have decided, such
+    a call ends with the original all_gather.
     """
     if type(tensor) is not torch.Tensor:
         return None

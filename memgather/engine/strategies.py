@@ -217,9 +217,9 @@ def even(tensor_list: list, tensor: torch.Tensor) -> bool:
 
 
 # What a rank may refuse a rebind for on its own while every other rank rebinds: its slots'
-# memory, layout or aliasing, or a dispatch mode of its own (a torch-function mode of its own:
-# planner._under_function_mode). The staged copy writes such
-# slots as torch's call would (the bytes, where each slot lies).
+# memory, layout or aliasing, or a dispatch mode of its own (a torch-function mode of its own
+# is planner._under_function_mode's). The staged copy writes such slots as torch's call would
+# (the bytes, where each slot lies).
 _STAGEABLE = frozenset((
     Reason.DISPATCH_MODE, Reason.SLOT_SUBCLASS, Reason.DUPLICATE_SLOT, Reason.INPUT_OVERLAPS_OUTPUT,
     Reason.INPUT_NOT_CONTIGUOUS, Reason.SLOT_NOT_CONTIGUOUS, Reason.SLOTS_SHARED, Reason.SLOT_MEMORY,
