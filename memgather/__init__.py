@@ -13,6 +13,13 @@ Public API::
 
 Names are imported on first use, so ``import memgather`` (and the start-up
 hook in ``memgather.pth``) does not import torch.
+
+PYTEST_DONT_REWRITE: with ``MEMGATHER=1``, ``memgather.pth`` imports this
+package at interpreter start, before pytest marks its plugins' packages
+(memgather is one, through ``pytest11``) for assertion rewriting. pytest warns
+about each such package already imported, and a run with ``filterwarnings =
+error`` or ``-W error`` would fail on that warning; this marker tells pytest
+not to rewrite the module, so it does not warn.
 """
 
 from __future__ import annotations

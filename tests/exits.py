@@ -1,6 +1,6 @@
 """How often a 2-rank gloo torchrun job dies at exit, with torch alone and with memgather.
 
-Issue 16: a torchrun job whose workers end without ``dist.destroy_process_group()``
+A torchrun job whose workers end without ``dist.destroy_process_group()``
 sometimes aborts at exit (``terminate called without an active exception``,
 SIGABRT) after its work and report lines are done, and torchrun reports the job
 as failed. This command runs one job N times per mode, the modes alternating

@@ -3,8 +3,8 @@
 ``simulated_hosts(n, rate=...)`` creates a "switch" namespace holding a bridge
 and ``n`` host namespaces, each joined to the bridge by a veth pair and given an
 address in a private /24 that exists only inside these namespaces. With
-``rate`` set, each host's link is shaped with ``tbf`` in both directions (this
-kernel has no ``netem``: latency is not simulated). Commands run in a host with
+``rate`` set, each host's link is shaped with ``tbf`` in both directions (rate
+only: ``netem`` is not used, so latency is not simulated). Commands run in a host with
 ``Hosts.command(i, ...)`` (``ip netns exec``). Everything is removed on every
 exit path, namespaces first (which takes their veths along).
 
