@@ -68,7 +68,13 @@ GLOO_SINGLE_TENSOR_SINCE = (2, 2)
 @lru_cache(maxsize=None)
 def gloo_has_single_tensor() -> bool:
     """Whether this torch's gloo backend implements the single-tensor all-gather."""
-    return _release(torch.__version__) >= GLOO_SINGLE_TENSOR_SINCE
+    return torch_release() >= GLOO_SINGLE_TENSOR_SINCE
+
+
+@lru_cache(maxsize=None)
+def torch_release() -> Tuple[int, ...]:
+    """(major, minor) of the torch memgather runs on: what release-dependent behaviour is read from."""
+    return _release(torch.__version__)
 
 
 def _release(version: str) -> Tuple[int, ...]:
@@ -108,7 +114,7 @@ dispatch_mode_active: Callable[[], bool] = _find_dispatch_mode_active()
 
 
 _function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", None)
-_tensor_torch_function = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
+_tensor_torch_function = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
 
 def torch_function_mode_only(tensor: torch.Tensor) -> bool:
@@ -131,25 +137,32 @@ def only_device_modes(tensor: torch.Tensor) -> bool:
     it unchanged, so memgather may act under it as if it were not there."""
     if _function_mode_stack is None or not torch_function_mode_only(tensor):
         return False
-    return all(type(mode).__name__ == "DeviceContext" and type(mode).__module__ == "torch.utils._device"
-               for mode in _function_mode_stack())
+    return all(
+        type(mode).__name__ == "DeviceContext" and type(mode).__module__ == "torch.utils._device"
+        for mode in _function_mode_stack()
+    )
 
 
-def outside_modes() -> ContextManager[Any]:
-    """A block that no torch function or dispatch mode, subclass hook or functorch transform sees."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._C.DisableTorchFunction())
-    stack.enter_context(_dispatch_modes_off())
-    disable_functorch = getattr(torch._C, "_DisableFuncTorch", None)
-    if disable_functorch is not None:
-        guard = disable_functorch()
-        if hasattr(guard, "__enter__"):
-            stack.enter_context(guard)
-        else:  # torch 1.13: a guard that holds while it lives, not a context manager
-            holder = [guard]
-            del guard
-            stack.callback(holder.clear)  # its last reference, dropped as the block ends
-    return stack
+@contextlib.contextmanager
+def outside_modes() -> Iterator[None]:
+    """A block that no torch function or dispatch mode, subclass hook or functorch transform sees.
+
+    Takes effect as the block is entered (not when called), so that it nests with other
+    switches in the order the ``with`` statement names them.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._C.DisableTorchFunction())
+        stack.enter_context(_dispatch_modes_off())
+        disable_functorch = getattr(torch._C, "_DisableFuncTorch", None)
+        if disable_functorch is not None:
+            guard = disable_functorch()
+            if hasattr(guard, "__enter__"):
+                stack.enter_context(guard)
+            else:  # torch 1.13: a guard that holds while it lives, not a context manager
+                holder = [guard]
+                del guard
+                stack.callback(holder.clear)  # its last reference, dropped as the block ends
+        yield
 
 
 @contextlib.contextmanager
@@ -261,11 +274,13 @@ def _find_set_versions() -> Optional[Callable[[Sequence[torch.Tensor], Sequence[
         probe = torch.empty(0)
     try:  # torch 2.2 on: sequences of tensors and versions, set in one call
         setter((probe,), (0,))
-        return setter  # type: ignore[no-any-return]
+        return setter
     except TypeError:  # torch 2.0 and 2.1: one tensor, one version
+
         def one_by_one(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
             for tensor, version in zip(tensors, versions):
                 setter(tensor, version)
+
         return one_by_one
 
 
@@ -279,17 +294,20 @@ def can_prove_alias_free() -> bool:
 
 def held_only_by_python(tensor: torch.Tensor) -> bool:
     """No C++ handle to ``tensor`` beyond its Python object (only where can_prove_alias_free())."""
-    return _unhooked(tensor, _tensor_use_count) == 1  # type: ignore[arg-type]
+    return _unhooked(tensor, _tensor_use_count) == 1  # type: ignore[arg-type]  # present: can_prove_alias_free()
 
 
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
 
-def functorch_wrapped(tensors: Iterable[Any]) -> bool:
-    """Whether any of ``tensors`` is a functorch transform's wrapper (vmap's BatchedTensor,
-    grad's tracking tensor): it has no storage of its own for memgather to lay out."""
-    return _is_functorch_wrapped is not None and any(
-        [isinstance(t, torch.Tensor) and _is_functorch_wrapped(t) for t in tensors])
+def functorch_wrapped(tensor: torch.Tensor, others: Iterable[Any] = ()) -> bool:
+    """Whether ``tensor`` or any tensor among ``others`` is a functorch transform's wrapper (vmap's
+    BatchedTensor, grad's tracking tensor): it has no storage of its own for memgather to lay out."""
+    if _is_functorch_wrapped is None:
+        return False
+    return _is_functorch_wrapped(tensor) or any(
+        isinstance(other, torch.Tensor) and _is_functorch_wrapped(other) for other in others
+    )
 
 
 def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
@@ -301,8 +319,9 @@ def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
     hold: memgather waits for it so that its own later proofs (a rebind of the
     same slots, an elided cat) do not depend on a race. ``tensors`` are tensors
     memgather made for the collective, which no caller can hold, so the wait ends
-    when the worker lets go; the bound is generous because on a loaded 2-core
-    machine that took longer than half a second (elision was then refused).
+    when the worker lets go; the bound is generous because on a loaded machine
+    that can take longer than half a second, and a wait cut short refuses an
+    elision that was safe.
     """
     if _tensor_use_count is None or not tensors or not tensors[0].is_cpu:
         return  # gloo's worker lets go within microseconds (up to tens of ms on a loaded machine);
@@ -363,7 +382,7 @@ def _find_increment_version() -> Callable[[torch.Tensor], None]:
         return graph.increment_version
     autograd = torch._C._autograd
     if hasattr(autograd, "_increment_version"):
-        return autograd._increment_version  # type: ignore[no-any-return]
+        return autograd._increment_version
     return _increment_through_empty_view  # torch 1.13 to 2.1
 
 
@@ -384,12 +403,14 @@ def _find_increment_versions() -> Callable[[Sequence[torch.Tensor]], None]:
     with torch.inference_mode(False), outside_modes():
         probe = torch.empty(0)
     try:  # torch 2.4 on: a sequence, each tensor bumped once (a counter two of them share, twice)
-        increment_version((probe,))  # type: ignore[arg-type]
-        return increment_version  # type: ignore[return-value]
+        increment_version((probe,))  # type: ignore[arg-type]  # the probe: does this torch take a sequence?
+        return increment_version  # type: ignore[return-value]  # it does: the same function takes both
     except (TypeError, AttributeError):
+
         def one_by_one(tensors: Sequence[torch.Tensor]) -> None:
             for tensor in tensors:
                 increment_version(tensor)
+
         return one_by_one
 
 
@@ -430,7 +451,7 @@ NCCL_FLAVOURS = {"ProcessGroupNCCL": "legacy", "ProcessGroupNCCL2": "nccl2"}
 
 
 def nccl_flavour(group: Any) -> Optional[str]:
-    """"legacy" or "nccl2" for a process group whose CUDA backend is one of torch's NCCL groups, else None.
+    """ "legacy" or "nccl2" for a process group whose CUDA backend is one of torch's NCCL groups, else None.
 
     Told by the backend object's class, whatever name the group was created with
     ("nccl", "nccl-legacy", "nccl2", or an environment variable choosing the default).
@@ -498,6 +519,7 @@ def async_op_refused(value: Any) -> bool:
         except Exception:  # noqa: BLE001 - whatever it raises, torch raises it, after its gather
             return True
         return False
+    assert options is not None  # an options class without the field was answered above
     try:
         options.asyncOp = value
     except TypeError:

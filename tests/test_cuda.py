@@ -161,7 +161,7 @@ def test_slots_made_on_a_side_stream() -> None:
     assert _same(results)["strategies"] == {"rebind": 1}, results
 
 
-@pytest.mark.skipif(compat._release(torch.__version__) < compat.NCCL2_OPT_IN_SINCE,
+@pytest.mark.skipif(compat.torch_release() < compat.NCCL2_OPT_IN_SINCE,
                     reason=f"torch {torch.__version__} has no ProcessGroupNCCL2")
 def test_nccl2_rewires_elided_calls_only() -> None:
     """ProcessGroupNCCL2: an elided cat takes the single call (t + 2N -> t + N); a kept list stays with torch."""

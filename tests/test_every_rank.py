@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memgather.engine import strategies
-from memgather.engine.strategies import REBIND, STAGED, Reason, fallback
+from memgather.engine.strategies import Reason, Strategy
 from tests.conftest import EAGER, unwrap
 from tests.pool import RankError
 
@@ -39,7 +39,7 @@ def gloo_as_nccl2(stage_refusals: bool = True) -> Iterator[None]:
     routes.choose = lambda *args, **kwargs: None  # type: ignore[assignment]  # kept lists: torch's call
     routes.single_route = lambda *args, **kwargs: None  # type: ignore[assignment]
     if not stage_refusals:
-        planner.stage = lambda refused, tensor_list, tensor: refused  # type: ignore[assignment]
+        planner.stage = lambda refused, tensor_list, tensor: refused
     planner.configure(core._settings)  # forget what was worked out for the group
     try:
         yield
@@ -145,14 +145,13 @@ def test_a_split_is_caught(pools: Any) -> None:
 @pytest.mark.parametrize("reason", sorted(strategies._STAGEABLE, key=str))
 def test_stage_takes_every_reason_of_a_ranks_own_slots(reason: Reason) -> None:
     slots = [torch.empty(3), torch.empty(3)]
-    assert strategies.stage(fallback(reason), slots, torch.ones(3)) is STAGED
+    assert strategies.stage(reason, slots, torch.ones(3)) is Strategy.STAGED
 
 
 @pytest.mark.parametrize("reason", sorted(set(Reason) - strategies._STAGEABLE, key=str))
 def test_stage_leaves_every_other_reason_to_torch(reason: Reason) -> None:
     """Reasons every rank of a working program shares (the group, the size, the dtype, ...)."""
-    refused = fallback(reason)
-    assert strategies.stage(refused, [torch.empty(3), torch.empty(3)], torch.ones(3)) is refused
+    assert strategies.stage(reason, [torch.empty(3), torch.empty(3)], torch.ones(3)) is reason
 
 
 def _inference_slot() -> torch.Tensor:
@@ -168,12 +167,8 @@ def _inference_slot() -> torch.Tensor:
 ], ids=["requires_grad", "inference", "conj", "sparse"])
 def test_slots_torch_refuses_are_not_staged(odd: Any) -> None:
     """A slot torch's own call raises for on this rank keeps torch's outcome: staging would write it."""
-    refused = fallback(Reason.SLOTS_SHARED)
+    refused = Reason.SLOTS_SHARED
     assert strategies.stage(refused, [torch.empty(3), odd()], torch.ones(3)) is refused
-
-
-def test_rebind_is_not_staged() -> None:
-    assert strategies.stage(REBIND, [torch.empty(3)], torch.ones(3)) is REBIND
 
 
 class _Logged(torch.overrides.TorchFunctionMode):

@@ -1,6 +1,6 @@
 """Property-based tests of the planning logic against a plain reference model.
 
-``strategies.plan`` only looks at this rank's arguments (no communication),
+``strategies.choose`` only looks at this rank's arguments (no communication),
 so it runs here in-process, on layouts hypothesis combines freely.
 """
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memgather.engine.strategies import plan
+from memgather.engine.strategies import choose
 
 LAYOUTS = [
     "fresh", "adjacent", "adjacent_input_own", "adjacent_input_other", "reversed_adjacent", "gapped",
@@ -123,7 +123,6 @@ def model(layout: str, world: int, shape: Tuple[int, ...], dtype: torch.dtype) -
 def test_plan_matches_the_model(layout: str, world: int, rank_seed: int, shape: Tuple[int, ...], dtype: torch.dtype) -> None:
     rank = rank_seed % world
     tensor_list, tensor, keep = build(layout, world, rank, shape, dtype)
-    got = plan(tensor_list, tensor, world, rank)
-    outcome = got.reason.value if got.reason is not None else got.strategy.value
+    outcome = choose(tensor_list, tensor, world, rank).value
     assert outcome == model(layout, world, shape, dtype), (layout, world, rank, shape, dtype)
     del keep

@@ -1,4 +1,4 @@
-"""One small collective in which the ranks agree before a call (before the route, step 4 of docs/calls.md).
+"""One small collective in which the ranks agree before a call, and the plan it settles (step 4 of docs/calls.md).
 
 Each rank contributes a row of int64 metadata: whether its own plan rewires
 and which in-place route it is set to take (the broadcasts and the ring are
@@ -12,13 +12,16 @@ gather is reported on every rank instead of hanging or returning garbage.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from memgather import compat
-from memgather.engine import hosts
-from memgather.engine.strategies import Reason
+from memgather import compat, config
+from memgather.engine import hosts, routes
+from memgather.engine.call import Call
+from memgather.engine.plan import Plan
+from memgather.engine.reasons import Reason, Strategy
 from memgather.errors import UnevenShapesError
 
 _MAX_DIMS = 8
@@ -38,6 +41,59 @@ class Verdict(NamedTuple):
 
     reason: Optional[Reason]  # None: every rank may take the rewired path
     spans_hosts: bool  # the group's ranks run on more than one host
+    dtype: Optional[torch.dtype] = None  # this rank's input's (every rank's, where the reason is None)
+
+
+def poll(gather_rows: Callable[..., Any], call: Call, plan: Plan, gloo_route: str) -> Verdict:
+    """The agreement round for ``plan``: this rank's row, every rank's verdict.
+
+    The exchange is memgather's own: no subclass hook sees it, and where the
+    plan was made under a user's mode (``plan.watched``), no mode does either.
+    """
+    tensor = call.tensor
+    assert plan.info is not None  # a plan that agrees described the group
+    with compat.subclass_hooks_off(), compat.outside_modes() if plan.watched else contextlib.nullcontext():
+        even = all(slot.shape == tensor.shape and slot.dtype == tensor.dtype for slot in call.tensor_list)
+        verdict = agree(
+            gather_rows,
+            call.group,
+            tensor,
+            plan.rewires,
+            even,
+            plan.info.world,
+            call.check,
+            _route_code(plan.route, gloo_route),
+        )
+        return verdict._replace(dtype=tensor.dtype)
+
+
+def settle(plan: Plan, verdict: Verdict, gloo_route: str) -> Plan:
+    """The plan every rank follows, from this rank's ``plan`` and the ``verdict`` all of them read.
+
+    The one step that may turn a plan into another: the in-place route becomes
+    the ring or the broadcasts (``routes.settle``, from the host keys every rank
+    read), and a plan that rewires falls back when any rank cannot take it.
+    """
+    route = plan.route
+    if route is not None:
+        assert verdict.dtype is not None  # poll reads it
+        route = routes.settle(route, gloo_route, verdict.spans_hosts, verdict.dtype)
+    if verdict.reason is None or not plan.rewires:
+        return plan._replace(route=route)
+    return plan._replace(strategy=Strategy.FALLBACK, reason=verdict.reason, route=route)
+
+
+def _route_code(route: Optional[routes.Route], gloo_route: str) -> int:
+    """What this rank would act on, as the agreement row carries it (> 0).
+
+    Ranks that would meet on two wire protocols all take none: an in-place route
+    set differently (MEMGATHER_GLOO_ROUTE), or an in-place route on one rank and
+    the single call on another (a call made with async_op=True on one rank only,
+    with check on: both ranks then agree first).
+    """
+    if route is None or not route.in_place:
+        return len(config.GLOO_ROUTES) + 1
+    return config.GLOO_ROUTES.index(gloo_route) + 1
 
 
 def agree(

@@ -1,24 +1,30 @@
 """memgather's all-gather: the per-call path, top to bottom.
 
-``all_gather`` takes the decision for the call (``planner``: strategy, route
-or the reason to stay out), agrees with the other ranks where the route needs
-it (``agreement``), lays out the output (``slots``), moves the bytes
-(``routes``) and counts what it did (``counters``). Whatever it cannot prove
-safe goes to the original ``torch.distributed.all_gather`` unchanged.
+    all_gather(tensor_list, tensor, ...)      memgather's own entry; the wrapper binds a caller's call
+      -> call.bind                            the arguments, bound to torch's signature once
+      -> planner.plan                         the plan: strategy, route, agreement, or the reason to leave
+      -> agreement.poll / agreement.settle    where the plan says so: the ranks' one small exchange,
+                                              and the only step that may turn the plan into another
+      -> _WRITERS[plan.strategy]              carried out: lay out the output (slots), move the bytes
+                                              (routes), count it (counters)
+      or to_torch                             the original torch.distributed.all_gather, unchanged
+
+Whatever memgather cannot prove safe goes to torch as the caller wrote it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from memgather import compat, config
 from memgather.engine import agreement, counters, elision, pages, planner, routes, slots, staged, verification
-from memgather.engine.strategies import DIRECT, REBIND, STAGED, Plan, Reason, Strategy, fallback
+from memgather.engine.call import Call
+from memgather.engine.plan import Plan
+from memgather.engine.reasons import Reason, Strategy
 
 _log = logging.getLogger("memgather")
 
@@ -30,18 +36,24 @@ _original_all_gather = dist.distributed_c10d.all_gather
 PROFILER_RANGE = "memgather::all_gather"
 
 _settings = config.Settings()
+_FALLBACK = Strategy.FALLBACK  # read on every call: a module global, not an attribute of the enum class
 
 
 def configure(settings: Optional[config.Settings] = None) -> None:
     """Take ``settings`` (default: the environment, read now) as the defaults of every later call.
 
-    Read once at import and again by every ``patch()`` / ``unpatch()``, so that
-    what ``patch()`` was given reaches direct calls too; the per-call path
-    itself reads no environment variable.
+    Read from the environment once at import; ``patch()`` / ``unpatch()`` hand over the settings
+    they run under, so that what ``patch()`` was given reaches direct calls too. The per-call
+    path itself reads no environment variable.
     """
     global _settings
     _settings = config.load() if settings is None else settings
     planner.configure(_settings)
+
+
+def settings() -> config.Settings:
+    """The settings later calls run under."""
+    return _settings
 
 
 configure()
@@ -80,58 +92,43 @@ def all_gather(
     call and raises ``VerifyError`` on every rank if the results differ (see
     ``memgather.engine.verification``: for test runs).
     """
-    call = ((tensor_list, tensor), {"group": group, "async_op": async_op})
-    return _handle(call, tensor_list, tensor, group, async_op, check, elide, verify)
+    defaults = _settings
+    return handle(
+        Call(
+            tensor_list,
+            tensor,
+            group,
+            async_op,
+            (tensor_list, tensor),
+            {"group": group, "async_op": async_op},
+            defaults.check if check is None else check,
+            bool(defaults.elide) if elide is None else elide,
+            defaults.verify if verify is None else verify,
+        )
+    )
 
 
-def handle(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool, elide: bool, verify: bool) -> Any:
-    """``all_gather`` for a call as the wrapper received it, whose arguments bind to torch's
-    signature, and which ``torch_at_once`` did not send to torch: where it falls back, torch gets
-    the caller's own call, positional arguments and keywords as they were (torch's exception
-    logging reads them)."""
-    count = len(args)
-    tensor_list = args[0] if count else kwargs["tensor_list"]
-    tensor = args[1] if count > 1 else kwargs["tensor"]
-    group = args[2] if count > 2 else kwargs.get("group")
-    async_op = args[3] if count > 3 else kwargs.get("async_op", False)
-    return _handle((args, kwargs), tensor_list, tensor, group, async_op, check, elide, verify, asked=True)
-
-
-# A call as torch's all_gather is to receive it where memgather falls back: (args, kwargs).
-_Call = Tuple[Tuple[Any, ...], Dict[str, Any]]
-
-
-def _handle(call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: Optional[bool],
-            elide: Optional[bool], verify: Optional[bool], asked: bool = False) -> Any:
-    """``asked``: ``quick_reason`` was asked already (by ``torch_at_once``), and found none."""
-    check = _settings.check if check is None else check
-    elide = bool(_settings.elide) if elide is None else elide
-    if not check and not asked:
-        reason = planner.quick_reason(tensor_list, tensor, group, elide)
-        if reason is not None:
-            return to_torch(reason, *call)
-    verify = _settings.verify if verify is None else verify
+def handle(call: Call) -> Any:
+    """Carry out one bound call: plan it, agree where the plan says so, execute the plan."""
+    elision.disarm_reused(call.tensor_list)  # slots armed by an earlier gather are plain again first
+    plan = planner.plan(call)
+    if plan.strategy is _FALLBACK and not plan.agree:  # most calls: small ones, at once to torch
+        return to_torch(plan.reason, call.args, call.kwargs)
     if not compat.profiler_enabled():
-        return _all_gather(call, tensor_list, tensor, group, async_op, check, elide, verify)
+        return _agree_and_execute(plan, call)
     # One range in a profile for the user's call: memgather's collectives show inside it.
     with torch.autograd.profiler.record_function(PROFILER_RANGE):
-        return _all_gather(call, tensor_list, tensor, group, async_op, check, elide, verify)
+        return _agree_and_execute(plan, call)
 
 
-def _all_gather(
-    call: _Call, tensor_list: Any, tensor: Any, group: Any, async_op: bool, check: bool, elide: bool, verify: bool
-) -> Any:
-    decision = planner.decide(tensor_list, tensor, group, async_op, elide)
-    chosen, route = decision.plan, decision.route
-    if decision.needs_agreement(check):
-        assert decision.info is not None  # a decision with a gathered size described the group
-        # The exchange is memgather's own: no subclass hook, and no dispatch mode, sees it.
-        with compat.subclass_hooks_off(), compat.outside_modes() if decision.watched else contextlib.nullcontext():
-            chosen, route = _agree(chosen, tensor_list, tensor, group, decision.info.world, check, route)
-    if not chosen.rewires:
-        return to_torch(chosen.reason, *call)
-    assert route is not None and decision.gathered is not None  # a plan that rewires had both
-    return _rewire(chosen, route, tensor_list, tensor, group, async_op, decision.gathered, elide, verify)
+def _agree_and_execute(plan: Plan, call: Call) -> Any:
+    if plan.agree:
+        gloo_route = _settings.gloo_route
+        verdict = agreement.poll(_original_all_gather, call, plan, gloo_route)
+        plan = agreement.settle(plan, verdict, gloo_route)
+    if not plan.rewires:
+        return to_torch(plan.reason, call.args, call.kwargs)
+    return _rewire(plan, call)
 
 
 def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = None) -> torch.Tensor:
@@ -162,60 +159,6 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
     return out
 
 
-def _agree(chosen: Plan, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, world: int, check: bool,
-           route: Optional[routes.Route]) -> Tuple[Plan, Optional[routes.Route]]:
-    """The plan every rank follows, and the route, settled from what every rank read alike."""
-    even = all(s.shape == tensor.shape and s.dtype == tensor.dtype for s in tensor_list)
-    code = _route_code(route)
-    verdict = agreement.agree(_original_all_gather, group, tensor, chosen.rewires, even, world, check, code)
-    if route is not None:
-        route = routes.settle(route, _settings.gloo_route, verdict.spans_hosts, tensor.dtype)
-    if verdict.reason is None or not chosen.rewires:
-        return chosen, route
-    return fallback(verdict.reason), route
-
-
-def _route_code(route: Optional[routes.Route]) -> int:
-    """What this rank would act on, as the agreement row carries it (> 0).
-
-    Ranks that would meet on two wire protocols all take none: an in-place route
-    set differently (MEMGATHER_GLOO_ROUTE), or an in-place route on one rank and
-    the single call on another (a call made with async_op=True on one rank only,
-    with check on: both ranks then agree first).
-    """
-    if route is None or not route.in_place:
-        return len(config.GLOO_ROUTES) + 1
-    return config.GLOO_ROUTES.index(_settings.gloo_route) + 1
-
-
-# torch.distributed.all_gather's parameters, in order.
-_PARAMETERS = ("tensor_list", "tensor", "group", "async_op")
-
-
-def torch_at_once(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool, elide: bool) -> Optional[Reason]:
-    """Why a call, as its caller wrote it, certainly goes to torch; None where it takes ``all_gather``.
-
-    For the wrapper: arguments torch's signature does not take get torch's own
-    TypeError (``all_gather`` has keywords of its own, and would word it
-    otherwise); without ``check``, ``planner.quick_reason`` is asked too, so that a
-    call going to torch anyway does not pay for building ``all_gather``'s keywords.
-    """
-    count = len(args)
-    if count > 4 or count + len(kwargs) < 2 or (kwargs and not _binds(count, kwargs)):
-        return Reason.BAD_ARGUMENTS
-    if check:
-        return None
-    return planner.quick_reason(args[0] if count else kwargs.get("tensor_list"),
-                                args[1] if count > 1 else kwargs.get("tensor"),
-                                args[2] if count > 2 else kwargs.get("group"), elide)
-
-
-def _binds(count: int, kwargs: Dict[str, Any]) -> bool:
-    """Keywords that name parameters not already given by position, the two required ones given."""
-    return (all(name in _PARAMETERS[count:] for name in kwargs)
-            and all(name in kwargs for name in _PARAMETERS[count:2]))
-
-
 def to_torch(reason: Optional[Reason], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """Count a fallback and make the call, as its caller wrote it, with the original all_gather."""
     why = reason._value_ if reason else None  # what .value reads, without its descriptor's cost
@@ -228,66 +171,79 @@ def to_torch(reason: Optional[Reason], args: Tuple[Any, ...], kwargs: Dict[str, 
     return _original_all_gather(*args, **kwargs)
 
 
-
-def _rewire(
-    chosen: Plan,
-    route: routes.Route,
-    tensor_list: List[torch.Tensor],
-    tensor: torch.Tensor,
-    group: Any,
-    async_op: bool,
-    gathered: int,
-    elide: bool,
-    verify: bool,
-) -> Any:
-    counters.record(chosen.strategy.value, route=route.name, saved=gathered if route.saves_temp else 0)
+def _rewire(plan: Plan, call: Call) -> Any:
+    """Carry out a plan that rewires: its writer moves the bytes; the slots end as torch leaves them."""
+    route, tensor_list = plan.route, call.tensor_list
+    assert route is not None and plan.gathered is not None  # a plan that rewires has both
+    counters.record(_COUNTED[plan.strategy], route=route.name, saved=plan.gathered if route.saves_temp else 0)
     before = slots.versions(tensor_list)
     # Under torch the slots never carry autograd history: memgather's own copies must not add any.
-    # (Set directly: torch.no_grad() as a context costs more than the rest of a small call's Python.)
+    # Set directly rather than through torch.no_grad(): on the hot path of every rewired call.
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        work, flat = _write(chosen, route, tensor_list, tensor, group, async_op, elide)
+        work, flat = _WRITERS[plan.strategy](route, call)
     finally:
         torch._C._set_grad_enabled(grad)
     slots.mark_written(tensor_list, before)
-    if verify:
+    if call.verify:
         # Plain views of the buffer: the slots themselves may be armed for elision by the time they are read.
-        written = tensor_list if flat is None else slots.views(flat, len(tensor_list), tensor.shape)
-        _verify(work, written, tensor, group, chosen)
+        written = tensor_list if flat is None else slots.views(flat, len(tensor_list), call.tensor.shape)
+        if work is not None:
+            work.wait()  # verify mode completes async calls before they return
+        verification.verify(_original_all_gather, written, call.tensor, call.group, plan.strategy.value)
+        counters.record_verified()
     return work
 
 
-def _write(
-    chosen: Plan, route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any,
-    async_op: bool, elide: bool,
-) -> Tuple[Any, Optional[torch.Tensor]]:
-    """Move the bytes; returns torch's work object (or None), and the buffer that now holds the result
-    (None: the slots themselves hold it)."""
-    if chosen is DIRECT and elide and slots.tile_their_storage(tensor_list):
-        # Slots that alone tile one buffer (those of an earlier rebind, gathered into again)
-        # are that buffer's views already: armed like a rebind's, with no new buffer.
-        region = slots.region(tensor_list)
-        elision.arm(tensor_list, region)
-        return routes.run(route, region, tensor, group, async_op), region
-    if chosen is STAGED:
-        return staged.run(route, tensor_list, tensor, group, async_op), None
-    if route.in_place and chosen is not REBIND:
-        # Direct slots already are the views an in-place route fills, and in_slots ones are
-        # filled where they lie: either way the slots themselves are the destinations.
-        routes.fill(route, tensor_list, tensor, group)  # synchronous, as torch's with async_op=False
+# A writer moves the bytes of one call by its route. It returns torch's work object (or None),
+# and the buffer that now holds the result (None: the slots themselves hold it).
+_Writer = Callable[[routes.Route, Call], Tuple[Any, Optional[torch.Tensor]]]
+
+
+def _write_direct(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
+    """The slots already are adjacent views of one region: gathered straight into it."""
+    if route.in_place:  # the slots themselves are the views an in-place route fills
+        routes.fill(route, call.tensor_list, call.tensor, call.group)  # synchronous, as torch's with async_op=False
         return None, None
-    if chosen is DIRECT:
-        return routes.run(route, slots.region(tensor_list), tensor, group, async_op), None
-    elision.release(tensor_list)  # slots sharing a handed-out result are rebound: no write reaches it
-    flat = slots.rebind(tensor_list)
-    if elide:
-        elision.arm(tensor_list, flat)
-    return routes.run(route, flat, tensor, group, async_op), flat
+    return routes.run(route, slots.region(call.tensor_list), call.tensor, call.group, call.async_op), None
 
 
-def _verify(work: Any, gathered: List[torch.Tensor], tensor: torch.Tensor, group: Any, chosen: Plan) -> None:
-    if work is not None:
-        work.wait()  # verify mode completes async calls before they return
-    verification.verify(_original_all_gather, gathered, tensor, group, chosen.strategy.value)
-    counters.record_verified()
+def _write_armed_direct(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
+    """Direct, into slots that alone tile their buffer: armed for a cat as a rebind's are."""
+    region = slots.region(call.tensor_list)
+    elision.arm(call.tensor_list, region)
+    return routes.run(route, region, call.tensor, call.group, call.async_op), region
+
+
+def _write_rebind(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
+    """The slots' storages released, one flat buffer allocated, the slots made its views."""
+    elision.release(call.tensor_list)  # slots sharing a handed-out result are rebound: no write reaches it
+    flat = slots.rebind(call.tensor_list)
+    if call.elide:
+        elision.arm(call.tensor_list, flat)
+    return routes.run(route, flat, call.tensor, call.group, call.async_op), flat
+
+
+def _write_in_slots(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
+    """Each rank's part written where its slot lies, by an in-place route."""
+    routes.fill(route, call.tensor_list, call.tensor, call.group)  # synchronous, as torch's with async_op=False
+    return None, None
+
+
+def _write_staged(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
+    """A temporary, the same single call as every other rank's, a copy into the slots."""
+    return staged.run(route, call.tensor_list, call.tensor, call.group, call.async_op), None
+
+
+# The execution table: one writer per strategy that rewires.
+_WRITERS: Dict[Strategy, _Writer] = {
+    Strategy.DIRECT: _write_direct,
+    Strategy.ARMED_DIRECT: _write_armed_direct,
+    Strategy.REBIND: _write_rebind,
+    Strategy.IN_SLOTS: _write_in_slots,
+    Strategy.STAGED: _write_staged,
+}
+# What ``memgather.stats()`` counts each under.
+_COUNTED: Dict[Strategy, str] = {strategy: strategy.value for strategy in _WRITERS}
+_COUNTED[Strategy.ARMED_DIRECT] = Strategy.DIRECT.value

@@ -21,9 +21,8 @@ class _Tally:
 
     ``add`` is an ``itertools.count``'s ``__next__``: one step in C, which no
     other thread can interleave (a Python ``n += 1`` is atomic by no contract, and
-    loses steps on free-threaded builds). Fallbacks
-    are the most frequent calls, and a lock with two ``Counter`` steps costs them
-    about half a microsecond (issue 14 asks that they reach torch within about 1 us).
+    loses steps on free-threaded builds). Fallbacks are the most frequent calls,
+    and the ones whose path to torch must stay short: they take no lock.
     ``value`` reads the count from its repr, ``count(n)``, without a step of its own:
     one C call too, so any thread or signal handler may read at any moment.
     """

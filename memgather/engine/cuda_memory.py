@@ -90,8 +90,14 @@ def read(slot: torch.Tensor) -> SlotFacts:
         standard = has_standard_deleter is not None and bool(has_standard_deleter(storage._cdata))
         del storage  # no reference of memgather's may keep the block alive through the rebind
         version = None if slot.is_inference() else slot._version
-    return SlotFacts(standard, allocator_backend(), torch.cuda.is_current_stream_capturing(), version,
-                     graphs_alive(), id(slot) in _lent)
+    return SlotFacts(
+        standard,
+        allocator_backend(),
+        torch.cuda.is_current_stream_capturing(),
+        version,
+        graphs_alive(),
+        id(slot) in _lent,
+    )
 
 
 @lru_cache(maxsize=None)
@@ -135,8 +141,12 @@ def watch() -> None:
     that lent itself. A capture made outside torch (CuPy's on torch's stream) is not seen.
     """
     accelerator = getattr(torch, "accelerator", None)
-    for cls in (getattr(torch._C, "_CUDAGraph", None), getattr(torch._C, "_acceleratorGraph", None),
-                getattr(torch.cuda, "CUDAGraph", None), getattr(accelerator, "Graph", None)):
+    for cls in (
+        getattr(torch._C, "_CUDAGraph", None),
+        getattr(torch._C, "_acceleratorGraph", None),
+        getattr(torch.cuda, "CUDAGraph", None),
+        getattr(accelerator, "Graph", None),
+    ):
         if cls is None:
             continue
         _hook(cls, "capture_begin", _noting_capture)
@@ -144,7 +154,7 @@ def watch() -> None:
     interface = torch.Tensor.__dict__.get("__cuda_array_interface__")
     if isinstance(interface, property) and interface.fget is not None and not hasattr(interface.fget, _HOOKED):
         noted = property(_noting_loan(interface.fget), doc=interface.__doc__)
-        torch.Tensor.__cuda_array_interface__ = noted  # type: ignore[assignment]
+        torch.Tensor.__cuda_array_interface__ = noted  # type: ignore[assignment]  # a property replaced by a property
 
 
 def _hook(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -163,6 +173,7 @@ def _noting_capture(capture_begin: Callable[..., Any]) -> Callable[..., Any]:
     def noted(self: Any, *args: Any, **kwargs: Any) -> Any:
         _remember_graph(self)  # before the capture: one that fails may still have begun
         return capture_begin(self, *args, **kwargs)
+
     setattr(noted, _HOOKED, True)
     return noted
 
@@ -173,6 +184,7 @@ def _noting_reset(reset: Callable[..., Any]) -> Callable[..., Any]:
         result = reset(self, *args, **kwargs)
         _graphs.pop(id(self), None)  # its memory is released: it replays nothing any more
         return result
+
     setattr(noted, _HOOKED, True)
     return noted
 
@@ -192,6 +204,7 @@ def _noting_loan(fget: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor]
         key = id(self)
         _lent[key] = weakref.ref(self, lambda ref: _lent.pop(key, None) if _lent.get(key) is ref else None)
         return interface
+
     setattr(cuda_array_interface, _HOOKED, True)
     return cuda_array_interface
 

@@ -57,15 +57,55 @@ _given: Dict[int, "weakref.finalize"] = {}
 # slots before concatenating them.
 _METADATA_METHODS = frozenset(
     getattr(torch.Tensor, name)
-    for name in ("data_ptr", "dim", "size", "numel", "nelement", "ndimension", "element_size",
-                 "is_contiguous", "stride", "storage_offset", "get_device", "__len__", "is_floating_point",
-                 "is_complex", "is_signed", "is_inference", "is_conj", "is_neg")
+    for name in (
+        "data_ptr",
+        "dim",
+        "size",
+        "numel",
+        "nelement",
+        "ndimension",
+        "element_size",
+        "is_contiguous",
+        "stride",
+        "storage_offset",
+        "get_device",
+        "__len__",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "is_inference",
+        "is_conj",
+        "is_neg",
+    )
 )
-_METADATA_PROPERTIES = frozenset((
-    "shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "grad_fn", "grad", "names",
-    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
-    "is_xpu", "is_mps", "itemsize", "nbytes", "output_nr", "_version",
-))
+_METADATA_PROPERTIES = frozenset(
+    (
+        "shape",
+        "dtype",
+        "device",
+        "ndim",
+        "layout",
+        "requires_grad",
+        "is_leaf",
+        "grad_fn",
+        "grad",
+        "names",
+        "is_cuda",
+        "is_cpu",
+        "is_meta",
+        "is_sparse",
+        "is_sparse_csr",
+        "is_quantized",
+        "is_mkldnn",
+        "is_nested",
+        "is_xpu",
+        "is_mps",
+        "itemsize",
+        "nbytes",
+        "output_nr",
+        "_version",
+    )
+)
 
 
 class _Group:
@@ -93,7 +133,9 @@ class _WatchedSlot(torch.Tensor):
     """A slot memgather watches: metadata reads pass, anything else settles it first."""
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None
+    ) -> Any:
         kwargs = kwargs or {}
         if _is_metadata(func):
             with compat.subclass_hooks_off():
@@ -181,6 +223,18 @@ def settle_list(tensor_list: Any) -> None:
         settle(tensor_list)
 
 
+def disarm_reused(tensor_list: Any) -> None:
+    """Armed slots gathered into again before any cat: plain again, and their gather's elision off.
+
+    Done before a call is planned, so that the plan reads plain slots, and no hold of an
+    earlier gather's buffer counts against the slots' own.
+    """
+    if _armed_ever and type(tensor_list) is list:
+        for slot in tensor_list:
+            if type(slot) is ElidableSlot:
+                disarm(slot)
+
+
 def disarm(slot: torch.Tensor) -> None:
     """Turn an armed slot (and the rest of its group) back into a plain tensor."""
     group = slot.__dict__.get(_GROUP)
@@ -216,8 +270,6 @@ def _forget(slot: torch.Tensor) -> None:
     finalizer = _given.pop(id(slot), None)
     if finalizer is not None:
         finalizer.detach()  # no finalizer piles up on slot objects that are gathered into again and again
-
-
 
 
 def _is_metadata(func: Any) -> bool:
@@ -308,4 +360,3 @@ def _finalizer(obj: Any, callback: Any, *args: Any) -> "weakref.finalize":
 def _make_plain(slot: torch.Tensor) -> None:
     slot.__dict__.pop(_GROUP, None)
     slot.__class__ = torch.Tensor
-

@@ -1,10 +1,9 @@
 """What memgather needs to know of a process group, looked up once per group.
 
-``dist.get_world_size``, ``dist.get_rank`` and ``dist.get_backend`` each cost
-about half a microsecond, and every microsecond of Python costs about two on
-a small gloo call (measured: a 5 us busy loop before a 4 KiB gather adds
-7.5 us). A process group's size, rank and backend never change, so they are
-read once per group object and kept beside a weak reference to it (a
+Every call needs the group's size, this rank's place in it and its backend,
+and small calls are the ones where memgather's own time shows. A process
+group's size, rank and backend never change, so they are read once per group
+object and kept beside a weak reference to it (a
 destroyed group is not kept alive, and its id cannot be mistaken for a new
 group's). The entry goes with its group: a job that destroys and creates
 groups again and again leaves nothing behind.

@@ -1,13 +1,13 @@
-"""The decision for one call, made in one place: strategy, route and reason (steps 1 to 3 of docs/calls.md).
+"""A call's plan, made in one place: strategy, route, agreement, or the reason to leave it to torch.
 
-``quick_reason`` is the first line: a call that certainly goes to torch, told from
-cheap facts (a small call on a group seen before, a call on ProcessGroupNCCL2
-with no cat to elide).
-``decide`` is the rest: the preconditions every rank shares, the route
-(``routes.choose``), the strategy (``strategies``). Only the agreement round
-(``core``) may change what it decided, from what the other ranks decided.
-What depends only on the group and the device type (the threshold, the routes)
-is worked out once and kept (``_known``).
+``plan`` is the only entry (steps 1 to 3 of docs/calls.md): first the cheap facts
+that send a call to torch at once (a small call on a group seen before, a call
+on ProcessGroupNCCL2 with no cat to elide), then the preconditions every rank
+shares, the route (``routes``) and what this rank's slots allow on it
+(``strategies``). The plan it returns is final unless it says the ranks must
+agree: then ``agreement.settle`` alone may turn it into another. What depends
+only on the group and the device type (the threshold, the routes) is worked
+out once and kept (``_known``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import torch.distributed as dist
 from torch.overrides import has_torch_function
 
 from memgather import compat, config
-from memgather.engine import elision, groups, routes
-from memgather.engine.strategies import (
-    DIRECT, IN_SLOTS, STAGED, Plan, Reason, even, fallback, fill_in_slots, plan, stage,
-)
+from memgather.engine import elision, groups, routes, slots
+from memgather.engine.call import Call
+from memgather.engine.plan import Plan, to_torch
+from memgather.engine.reasons import Reason, Strategy
+from memgather.engine.strategies import Outcome, choose, even, fill_in_slots, stage
 
 # (MEMGATHER_GLOO_MIN_BYTES, MEMGATHER_NCCL_MIN_BYTES); a new tuple each configure().
 _thresholds: Tuple[Optional[int], Optional[int]] = (None, None)
@@ -43,13 +44,13 @@ class _OnDevice(NamedTuple):
     dtypes: Optional[FrozenSet[torch.dtype]]  # what the backend's collectives take (None: any): routes.dtypes_taken
 
 
-# (id of a process group, a device type) -> what its calls take. ``quick_reason`` asks on every
-# small call, the most frequent kind, and finds here all it needs in one lookup; ``decide`` finds
-# its route. An entry goes with its group (as groups.py's do), and all go when configure() may
-# change the thresholds. Read without a lock; _lock keeps configure() and _learn's store apart.
+# (id of a process group, a device type) -> what its calls take. ``plan`` asks on every call,
+# and a small one, the most frequent kind, finds here all it needs in one lookup. An entry goes
+# with its group (as groups.py's do), and all go when configure() may change the thresholds.
+# Read without a lock; _lock keeps configure() and _learn's store apart.
 _known: Dict[Tuple[int, str], _OnDevice] = {}
 _lock = threading.Lock()
-_BELOW_THRESHOLD = Reason.BELOW_THRESHOLD
+_BELOW_THRESHOLD = to_torch(Reason.BELOW_THRESHOLD)
 
 
 def configure(settings: config.Settings) -> None:
@@ -60,65 +61,52 @@ def configure(settings: config.Settings) -> None:
         _known.clear()
 
 
-class Decision(NamedTuple):  # not a frozen dataclass: its __init__ costs three times as much, every call
-    """What ``decide`` settled for a call; ``plan.reason`` is set exactly when it falls back."""
+def plan(call: Call) -> Plan:
+    """The call's plan: its strategy and route, whether the ranks agree first, or why torch takes it.
 
-    plan: Plan
-    route: Optional[routes.Route] = None
-    info: Optional[groups.GroupInfo] = None
-    gathered: Optional[int] = None  # bytes of the slots; None unless they are a list of world tensors
-    watched: bool = False  # a dispatch mode (or a torch-function mode) is active: the agreement round runs outside it
-
-    def needs_agreement(self, check: bool) -> bool:
-        """Whether the ranks must agree first: check mode, or a route every rank must share."""
-        return self.gathered is not None and (check or (self.route is not None and self.route.needs_agreement))
-
-
-def quick_reason(tensor_list: Any, tensor: Any, group: Any, elide: bool) -> Optional[Reason]:
-    """Why the call certainly goes to torch, told from cheap facts; None where that takes ``decide``.
-
-    Small gloo calls are the most frequent kind and the ones where memgather's
-    own time shows: each microsecond of Python costs about two on the wall
-    clock of a 4 KiB gather; on NCCL, small calls save next to nothing (see
-    routes, "NCCL threshold"). Calls on ProcessGroupNCCL2 whose cat is not
-    elided are never rewired (torch fills the slots at the floor itself). So
-    all of them are recognised before anything else. A call this cannot
-    settle at once (a group not seen before, a subclass, a malformed list,
-    another backend) takes ``decide``. Whatever that would have decided, such
-    a call ends with the original all_gather.
+    The first lines recognise what certainly goes to torch from cheap facts.
+    Small calls are the most frequent kind and the ones where memgather's own
+    time shows (on gloo each microsecond of Python costs about two on the wall
+    clock of a 4 KiB gather; on NCCL small calls save next to nothing: see
+    routes, "NCCL threshold"), and calls on ProcessGroupNCCL2 whose cat is not
+    elided are never rewired (torch fills the slots at the floor itself). That
+    takes a group seen before and a plain input; anything else (a group not
+    seen before, a subclass, a malformed list, another backend) is planned in
+    full, and such a call too ends with the original all_gather.
     """
-    if type(tensor) is not torch.Tensor:
-        return None
-    known = _on_device(group, tensor, None)
-    if known is None:
-        return None  # a group is described once a call on it passed decide's checks
-    if known.unelided is not None and not elide:
-        return known.unelided
-    limit = known.limit
-    if limit:
-        gathered = _gathered_bytes(tensor_list, known.info.world)
-        if gathered is not None and gathered < limit:
-            return _BELOW_THRESHOLD
-    return None
+    tensor = call.tensor
+    if not call.check and type(tensor) is torch.Tensor:
+        known = _on_device(call.group, tensor, None)  # a group is described once a call on it was planned
+        if known is not None:
+            if known.unelided is not None and not call.elide:
+                return to_torch(known.unelided)
+            gathered = _gathered_bytes(call.tensor_list, known.info.world)
+            if gathered is not None and gathered < known.limit:
+                return _BELOW_THRESHOLD
+            return _plan(call, known, gathered)
+    return _plan(call)
 
 
-def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: bool) -> Decision:
-    """The strategy and route this rank would take for the call, or the reason it falls back."""
+def _plan(call: Call, known: Optional[_OnDevice] = None, gathered: Optional[int] = None) -> Plan:
+    """The plan in full; ``known`` and ``gathered``: what the first lines found, if they found the group."""
+    tensor_list, tensor, group, elide = call.tensor_list, call.tensor, call.group, call.elide
     reason = _precondition(tensor_list, tensor, group)
     if reason is Reason.TORCH_FUNCTION and compat.torch_function_mode_only(tensor):
-        return _under_function_mode(tensor_list, tensor, group, async_op, elide)
+        return _under_function_mode(call)
     if reason is not None:
-        return Decision(fallback(reason))
+        return to_torch(reason)
+    async_op = call.async_op
     if not (async_op is False or async_op is True or async_op is None) and compat.async_op_refused(async_op):
         # torch raises for it, where torch raises (setting up its call, or after its gather on old
         # releases): memgather must not have moved a slot first. Any other value goes by its truth.
-        return Decision(fallback(Reason.BAD_ARGUMENTS))
+        return to_torch(Reason.BAD_ARGUMENTS)
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
     with compat.subclass_hooks_off():
-        info = groups.describe(group)
-        known = _on_device(group, tensor, info)
-        assert known is not None  # given the group's description, it is worked out
-        gathered = _gathered_bytes(tensor_list, info.world)
+        if known is None:
+            known = _on_device(group, tensor, groups.describe(group))
+            assert known is not None  # given the group's description, it is worked out
+            gathered = _gathered_bytes(tensor_list, known.info.world)
+        info = known.info
         # Under the threshold no route is taken, so no rank agrees on one: decided before anything else.
         below = gathered is not None and gathered < known.limit
         # None for a malformed list, or where no route is known to be safe. The route every rank must
@@ -136,23 +124,51 @@ def decide(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: boo
         # keeps what it sees would hold memgather's tensors: torch's call is what the mode expects.
         # Settled like a plan, in the exchange, so that ranks without the mode fall back too.
         watched = compat.dispatch_mode_active()
+        outcome: Outcome
         if watched:
-            chosen = fallback(Reason.DISPATCH_MODE)
+            outcome = Reason.DISPATCH_MODE
         elif below:
-            chosen = fallback(Reason.BELOW_THRESHOLD)
+            outcome = Reason.BELOW_THRESHOLD
         elif refused:
-            chosen = fallback(Reason.UNSUPPORTED_DTYPE)
+            outcome = Reason.UNSUPPORTED_DTYPE
         else:
-            chosen = _plan(route, tensor_list, tensor, info, gathered)
-        if route is not None and route.every_rank and not chosen.rewires:
-            chosen = stage(chosen, tensor_list, tensor)  # no rank may take torch's call alone
-        if chosen.rewires and route is not None and route.in_place and chosen is not DIRECT and not elide \
-                and not elision.any_given(tensor_list):
-            chosen = IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
-    return Decision(chosen, route, info, gathered, watched)
+            outcome = _strategy(route, tensor_list, tensor, info, gathered, elide)
+        if route is not None and route.every_rank and type(outcome) is Reason:
+            outcome = stage(outcome, tensor_list, tensor)  # no rank may take torch's call alone
+    agree = gathered is not None and (call.check or (route is not None and route.needs_agreement))
+    if isinstance(outcome, Reason):
+        return Plan(Strategy.FALLBACK, outcome, route, agree, info, gathered, watched)
+    return Plan(outcome, None, route, agree, info, gathered, watched)
 
 
-def _under_function_mode(tensor_list: Any, tensor: Any, group: Any, async_op: bool, elide: bool) -> Decision:
+def _strategy(
+    route: Optional[routes.Route],
+    tensor_list: Any,
+    tensor: torch.Tensor,
+    info: groups.GroupInfo,
+    gathered: Optional[int],
+    elide: bool,
+) -> Outcome:
+    """What this rank's slots and input allow on ``route``."""
+    if gathered is not None and route is None:
+        return Reason.NCCL2 if _on_nccl2(info, tensor) else Reason.BACKEND
+    if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
+        return Reason.INPUT_NOT_CONTIGUOUS
+    outcome = choose(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here
+    if route is None or type(outcome) is Reason and not route.in_place:
+        return outcome
+    if type(outcome) is Reason:
+        return fill_in_slots(tensor_list, tensor, info.rank, outcome)
+    if outcome is Strategy.DIRECT:
+        # Slots that alone tile one buffer (those of an earlier rebind, gathered into again)
+        # are that buffer's views already: armed like a rebind's, with no new buffer.
+        return Strategy.ARMED_DIRECT if elide and slots.tile_their_storage(tensor_list) else outcome
+    if route.in_place and not elide and not elision.any_given(tensor_list):
+        return Strategy.IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
+    return outcome
+
+
+def _under_function_mode(call: Call) -> Plan:
     """A ``TorchFunctionMode`` of this rank's own is not a fact every rank shares: where the ranks
     must take one route alike, it must not send this rank to torch's call alone. The call is planned
     as if the mode were not there; then, on a route every rank takes (ProcessGroupNCCL2), it is
@@ -160,16 +176,16 @@ def _under_function_mode(tensor_list: Any, tensor: Any, group: Any, async_op: bo
     and where the ranks agree first (check mode, an agreed route) that fallback is settled in the
     exchange (run outside the mode), so that the others fall back with it."""
     with torch._C.DisableTorchFunction():
-        decision = decide(tensor_list, tensor, group, async_op, elide)
-    route = decision.route
+        planned = _plan(call)
+    route = planned.route
     if route is not None and route.every_rank:
-        return decision._replace(plan=STAGED) if decision.plan.rewires else decision
-    if decision.gathered is not None:
+        return planned._replace(strategy=Strategy.STAGED) if planned.rewires else planned
+    if planned.gathered is not None:
         # Kept with its route: where the ranks agree first (check mode, an agreed route), this
         # rank's fallback is settled in the exchange, outside the mode; elsewhere torch's call
         # meets the others' single call on the wire.
-        return decision._replace(plan=fallback(Reason.TORCH_FUNCTION), watched=True)
-    return Decision(fallback(Reason.TORCH_FUNCTION))
+        return planned._replace(strategy=Strategy.FALLBACK, reason=Reason.TORCH_FUNCTION, watched=True)
+    return to_torch(Reason.TORCH_FUNCTION)
 
 
 def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optional[routes.Route]:
@@ -197,8 +213,11 @@ def _on_nccl2(info: groups.GroupInfo, tensor: torch.Tensor) -> bool:
 def _plain_input(tensor: torch.Tensor) -> bool:
     """An input every rank of a working program gathers alike: a dense, non-empty tensor (a subclass
     that does not override ``__torch_function__``, such as ``nn.Parameter``, included)."""
-    return (isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and tensor.numel() > 0
-            and not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg()))
+    return (
+        tensor.layout is torch.strided
+        and tensor.numel() > 0
+        and not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg())
+    )
 
 
 def _on_device(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo]) -> Optional[_OnDevice]:
@@ -266,7 +285,7 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
         # private pool, for every replay to reuse) and frees memory from before capture: torch's
         # own call is what capture records safely. Every rank captures the same program.
         return Reason.GRAPH_CAPTURE
-    if compat.functorch_wrapped([tensor, *(tensor_list if type(tensor_list) is list else ())]):
+    if compat.functorch_wrapped(tensor, tensor_list if type(tensor_list) is list else ()):
         return Reason.FUNCTORCH
     if not dist.is_initialized():
         return Reason.NOT_INITIALIZED
@@ -279,19 +298,6 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
     if compat.single_tensor_primitive().function is None:
         return Reason.NO_PRIMITIVE
     return None
-
-
-def _plan(
-    route: Optional[routes.Route], tensor_list: Any, tensor: torch.Tensor, info: groups.GroupInfo, gathered: Optional[int]
-) -> Plan:
-    if gathered is not None and route is None:
-        return fallback(Reason.NCCL2 if _on_nccl2(info, tensor) else Reason.BACKEND)
-    if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
-        return fallback(Reason.INPUT_NOT_CONTIGUOUS)
-    chosen = plan(tensor_list, tensor, info.world, info.rank)  # a malformed call gets its precise reason here
-    if route is not None and route.in_place and not chosen.rewires:
-        chosen = fill_in_slots(tensor_list, tensor, info.rank, chosen)
-    return chosen
 
 
 def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:

@@ -9,6 +9,9 @@ class Strategy(str, enum.Enum):
     """How one call is carried out."""
 
     DIRECT = "direct"
+    # DIRECT into slots that alone tile one buffer (an earlier rebind's), armed for elision as a
+    # rebind's are; counted as "direct": the same single call into the same region.
+    ARMED_DIRECT = "armed_direct"
     REBIND = "rebind"
     IN_SLOTS = "in_slots"
     STAGED = "staged"  # a temporary flat buffer, the single-tensor call, a copy into the slots where they lie
@@ -31,7 +34,9 @@ class Reason(str, enum.Enum):
     BELOW_THRESHOLD = "below_threshold"  # gloo or NCCL call too small for a saving worth memgather's time
     UNSUPPORTED_DTYPE = "unsupported_dtype"  # a dtype the backend's collectives refuse: torch raises, slots untouched
     TORCH_FUNCTION = "torch_function"  # input overrides __torch_function__
-    DISPATCH_MODE = "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations (agreed on)
+    DISPATCH_MODE = (
+        "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations (agreed on)
+    )
     FUNCTORCH = "functorch"  # input or a slot is a vmap / grad transform's wrapper: no storage of its own
     BAD_ARGUMENTS = "bad_arguments"  # arguments all_gather's signature does not take, an async_op torch refuses
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them

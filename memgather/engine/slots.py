@@ -37,13 +37,13 @@ def region(slots: List[torch.Tensor]) -> torch.Tensor:
     first = slots[0]
     # Not a view of the first slot: a view would share its version counter, and an
     # async collective's write would bump it after memgather has set it as torch leaves it.
-    return tensor_over(first, first.storage_offset(), flat_shape(first.shape, len(slots)))
+    return tensor_over(first, int(first.storage_offset()), flat_shape(first.shape, len(slots)))
 
 
 def tensor_over(holder: torch.Tensor, offset: int, shape: Tuple[int, ...]) -> torch.Tensor:
     """A contiguous tensor of its own (not a view: its own version counter) over ``holder``'s storage."""
     tensor = holder.new()  # empty, of holder's dtype and device; never requires grad, so set_ records nothing
-    tensor.set_(holder.untyped_storage(), offset, shape, _contiguous_strides(shape))  # type: ignore[call-overload]
+    tensor.set_(holder.untyped_storage(), offset, shape, _contiguous_strides(shape))
     return tensor
 
 
@@ -124,7 +124,7 @@ def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
 
 def _reallocate(slots: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
     for slot in slots:
-        slot.set_(torch.empty(shape, dtype=dtype, device=device))  # type: ignore[call-overload]
+        slot.set_(torch.empty(shape, dtype=dtype, device=device))  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
 
 
 def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:

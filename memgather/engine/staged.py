@@ -28,8 +28,7 @@ from memgather import compat
 from memgather.engine import elision, routes, slots
 
 
-def run(route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any,
-        async_op: bool) -> Any:
+def run(route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
     """Gather into a temporary with ``route``'s single call and copy into the slots; torch's work
     wrapped as ``StagedWork`` for an async call, else None."""
     elision.settle(tensor_list)  # a slot sharing a handed-out result gets its own memory before the write
@@ -82,6 +81,7 @@ class StagedWork(dist.Work):
             future.value()  # raises the gather's own error, if it failed: then no copy
             self._copy.make(False)
             return self._slots
+
         return self._inner.get_future().then(completed)
 
     def result(self) -> List[torch.Tensor]:

@@ -1,32 +1,27 @@
-"""Which strategy a call may take, decided from its arguments alone (steps 2 and 3 of docs/calls.md).
+"""What a call's arguments allow on this rank (steps 2 and 3 of docs/calls.md).
 
-``plan()`` looks at the caller's slots and input on this rank and answers one of:
+Each question answers an ``Outcome``: a ``Strategy``, or the ``Reason`` that
+rules it out. ``planner.plan`` asks them and puts the answer into the call's
+plan; nothing here allocates, communicates, changes its arguments or keeps a
+reference to a storage.
 
-- ``Strategy.DIRECT``: the slots already are adjacent views, in rank order, of
-  one contiguous region; gather straight into it.
-- ``Strategy.REBIND``: every slot alone holds its whole storage; release those
-  storages, gather into one new flat buffer, make the slots views of it.
-  On a route that can write each rank's part separately (gloo's broadcasts)
-  and with no cat to elide, such slots are instead filled where they lie
-  (``Strategy.IN_SLOTS``): no release, no new buffer, no page faults.
-- ``Strategy.FALLBACK`` with a ``Reason``: anything memgather cannot prove safe;
-  the original ``all_gather`` runs unchanged and keeps its own semantics.
-- ``Strategy.STAGED``: on a route every rank must take (``Route.every_rank``,
-  ProcessGroupNCCL2), a rank that would fall back for a reason of its own
-  slots (``stage``) gathers into a temporary flat buffer with the same
-  single-tensor call and copies it into its slots where they lie.
-
-``Strategy.INTO_RESULT`` is not a plan: ``memgather.gather``'s small calls,
-counted under it, have no caller's slots (torch's single-tensor call writes
-into the result ``gather`` allocates).
-
-Nothing here allocates, communicates or keeps a reference to a storage.
+- ``choose``: ``Strategy.DIRECT`` where the slots already are adjacent views,
+  in rank order, of one contiguous region (gather straight into it);
+  ``Strategy.REBIND`` where every slot alone holds its whole storage (release
+  those storages, gather into one new flat buffer, make the slots views of it).
+- ``fill_in_slots``: on a route that writes each rank's part separately (gloo's
+  broadcasts, the ring), slots a rebind was refused for may still be filled
+  where they lie (``Strategy.IN_SLOTS``): torch's own call writes there too.
+- ``stage``: on a route every rank must take (``Route.every_rank``,
+  ProcessGroupNCCL2), a rank refused for a reason of its own slots gathers into
+  a temporary with the same single-tensor call and copies it into its slots
+  where they lie (``Strategy.STAGED``).
+- ``even``: every slot shaped, typed and placed like the input.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -34,46 +29,24 @@ from memgather import compat
 from memgather.engine import cuda_memory, elision
 from memgather.engine.reasons import Reason, Strategy
 
-__all__ = ["DIRECT", "IN_SLOTS", "REBIND", "STAGED", "Plan", "Reason", "Strategy", "fallback", "fill_in_slots", "plan"]
+__all__ = ["Outcome", "Reason", "Strategy", "choose", "even", "fill_in_slots", "stage"]
+
+# What a question of this module answers: the strategy the arguments allow, or why none.
+Outcome = Union[Strategy, Reason]
 
 
-@dataclass(frozen=True)
-class Plan:
-    """The outcome of ``plan()``; ``reason`` is set exactly when falling back."""
-
-    strategy: Strategy
-    reason: Optional[Reason] = None
-
-    @property
-    def rewires(self) -> bool:
-        return self.strategy is not Strategy.FALLBACK
-
-
-DIRECT = Plan(Strategy.DIRECT)
-REBIND = Plan(Strategy.REBIND)
-IN_SLOTS = Plan(Strategy.IN_SLOTS)
-STAGED = Plan(Strategy.STAGED)
-
-
-def fallback(reason: Reason) -> Plan:
-    return _FALLBACKS[reason]
-
-
-_FALLBACKS = {reason: Plan(Strategy.FALLBACK, reason) for reason in Reason}
-
-
-def plan(tensor_list: Any, tensor: Any, world: int, rank: int) -> Plan:
-    """Choose the strategy for ``all_gather(tensor_list, tensor)`` on this rank."""
+def choose(tensor_list: Any, tensor: Any, world: int, rank: int) -> Outcome:
+    """The strategy for ``all_gather(tensor_list, tensor)`` on this rank: DIRECT, REBIND or a reason."""
     problem = _check_input(tensor) or _check_slots(tensor_list, tensor, world)
     if problem is not None:
-        return fallback(problem)
+        return problem
     # Adjacent slots whose buffer elision handed out as a result must not be
     # written in place: that would change the result. They are rebound instead.
     if _adjacent(tensor_list) and not elision.any_given(tensor_list):
         if _input_overlaps_region(tensor, tensor_list, rank):
-            return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
-        return DIRECT
-    return _plan_rebind(tensor_list, tensor)
+            return Reason.INPUT_OVERLAPS_OUTPUT
+        return Strategy.DIRECT
+    return _rebind_refusal(tensor_list, tensor) or Strategy.REBIND
 
 
 def _check_input(tensor: Any) -> Optional[Reason]:
@@ -105,11 +78,10 @@ def _check_slots(tensor_list: Any, tensor: torch.Tensor, world: int) -> Optional
 
 
 def _check_slot(slot: Any, tensor: torch.Tensor) -> Optional[Reason]:
-    if type(slot) is not torch.Tensor:
-        if type(slot) is elision.ElidableSlot:  # reused before being concatenated: plain again
-            elision.disarm(slot)
-        elif type(slot) is not elision.GivenSlot:  # given slots are plain tensors sharing a result's buffer
-            return Reason.SLOT_SUBCLASS if isinstance(slot, torch.Tensor) else Reason.NOT_A_TENSOR
+    # Given slots are plain tensors sharing a result's buffer. Armed ones were made plain
+    # before the call was planned (``elision.disarm_reused``): any other class is the caller's.
+    if type(slot) is not torch.Tensor and type(slot) is not elision.GivenSlot:
+        return Reason.SLOT_SUBCLASS if isinstance(slot, torch.Tensor) else Reason.NOT_A_TENSOR
     if slot.dtype != tensor.dtype:
         return Reason.DTYPE_MISMATCH
     if slot.device != tensor.device:
@@ -131,7 +103,10 @@ def _adjacent(slots: list) -> bool:
     first = slots[0]
     step = first.numel() * first.element_size()
     start = first.data_ptr()
-    # Addresses first: they rule out fresh slots at once, without a storage object.
+    # Addresses first: they rule out fresh slots at once (the second slot's, most often), without
+    # a storage object.
+    if len(slots) > 1 and slots[1].data_ptr() != start + step:
+        return False
     if any(slot.data_ptr() != start + index * step for index, slot in enumerate(slots)):
         return False
     storage_ptr = compat.storage_ptr(first)
@@ -150,58 +125,60 @@ def _input_overlaps_region(tensor: torch.Tensor, slots: list, rank: int) -> bool
     return not (tensor.data_ptr() == own.data_ptr() and tensor.is_contiguous())
 
 
-def _plan_rebind(slots: list, tensor: torch.Tensor) -> Plan:
+def _rebind_refusal(slots: list, tensor: torch.Tensor) -> Optional[Reason]:
+    """Why the slots may not be released and rebound, or None where they may."""
     if not compat.can_prove_exclusive():
-        return fallback(Reason.CANNOT_PROVE_EXCLUSIVE)
+        return Reason.CANNOT_PROVE_EXCLUSIVE
     for slot in slots:
         # Rebinding to a contiguous view would change a slot's strides, and
         # ranks could disagree on a permuted layout: contiguous slots only.
         if not slot.is_contiguous():
-            return fallback(Reason.SLOT_NOT_CONTIGUOUS)
+            return Reason.SLOT_NOT_CONTIGUOUS
         if slot.is_cuda:
             refused = cuda_memory.refusal(cuda_memory.read(slot))
             if refused is not None:
-                return fallback(refused)
+                return refused
         elif not compat.default_private_memory(slot):
-            return fallback(Reason.SLOT_MEMORY)
+            return Reason.SLOT_MEMORY
         if slot is tensor:  # the only way an input can share a storage a slot holds alone
-            return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
+            return Reason.INPUT_OVERLAPS_OUTPUT
         if compat.holds_storage_alone(slot):
             continue
         # A slot sharing its buffer only with a result elision handed out may
         # be released: rebinding never writes into that buffer. Unless the
         # input is (a view of) that result.
         if not elision.is_given(slot):
-            return fallback(Reason.SLOTS_SHARED)
+            return Reason.SLOTS_SHARED
         if compat.storage_ptr(slot) == compat.storage_ptr(tensor):
-            return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
-    return REBIND
+            return Reason.INPUT_OVERLAPS_OUTPUT
+    return None
 
 
 # Rebinding needs proof that nothing else holds a slot's memory, and that the memory
-# means nothing where it is (SLOT_MEMORY). Filling the slots where they lie does not: torch's own all_gather writes there too, so a view someone
-# kept sees what it would see under torch. It needs only contiguous slots that do not
-# overlap one another, and an input that overlaps none of them, unless it is exactly
+# means nothing where it is (SLOT_MEMORY). Filling the slots where they lie does not: torch's
+# own all_gather writes there too, so a view someone kept sees what it would see under torch.
+# It needs only contiguous slots that do not overlap one another, and an input that overlaps
+# none of them, unless it is exactly
 # its own slot.
 _FILLABLE = (Reason.CANNOT_PROVE_EXCLUSIVE, Reason.SLOTS_SHARED, Reason.SLOT_MEMORY)
 
 
-def fill_in_slots(tensor_list: list, tensor: torch.Tensor, rank: int, refused: Plan) -> Plan:
+def fill_in_slots(tensor_list: list, tensor: torch.Tensor, rank: int, refused: Reason) -> Outcome:
     """IN_SLOTS for a route that writes into the slots where they lie, where a rebind was refused."""
-    if refused.reason not in _FILLABLE or elision.any_given(tensor_list):
+    if refused not in _FILLABLE or elision.any_given(tensor_list):
         return refused
     if not all(slot.is_contiguous() for slot in tensor_list):
-        return fallback(Reason.SLOT_NOT_CONTIGUOUS)
+        return Reason.SLOT_NOT_CONTIGUOUS
     spans = sorted(_span(slot) for slot in tensor_list)
     if any(end > next_start for (_, end), (next_start, _) in zip(spans, spans[1:])):
         return refused  # two slots share memory: torch's sequential copies decide, not broadcasts
     own = tensor_list[rank]
     if tensor.data_ptr() == own.data_ptr() and tensor.is_contiguous():
-        return IN_SLOTS
+        return Strategy.IN_SLOTS
     start, end = _span(tensor)
     if any(start < slot_end and slot_start < end for slot_start, slot_end in spans):
-        return fallback(Reason.INPUT_OVERLAPS_OUTPUT)
-    return IN_SLOTS
+        return Reason.INPUT_OVERLAPS_OUTPUT
+    return Strategy.IN_SLOTS
 
 
 def _span(tensor: torch.Tensor) -> tuple:
@@ -212,26 +189,38 @@ def _span(tensor: torch.Tensor) -> tuple:
 
 def even(tensor_list: list, tensor: torch.Tensor) -> bool:
     """Every slot shaped, typed and placed like the input: in a working program, alike on every rank."""
-    return all(slot.shape == tensor.shape and slot.dtype == tensor.dtype and slot.device == tensor.device
-               for slot in tensor_list)
+    return all(
+        slot.shape == tensor.shape and slot.dtype == tensor.dtype and slot.device == tensor.device
+        for slot in tensor_list
+    )
 
 
 # What a rank may refuse a rebind for on its own while every other rank rebinds: its slots'
 # memory, layout or aliasing, or a dispatch mode of its own (a torch-function mode of its own
 # is planner._under_function_mode's). The staged copy writes such slots as torch's call would
 # (the bytes, where each slot lies).
-_STAGEABLE = frozenset((
-    Reason.DISPATCH_MODE, Reason.SLOT_SUBCLASS, Reason.DUPLICATE_SLOT, Reason.INPUT_OVERLAPS_OUTPUT,
-    Reason.INPUT_NOT_CONTIGUOUS, Reason.SLOT_NOT_CONTIGUOUS, Reason.SLOTS_SHARED, Reason.SLOT_MEMORY,
-    Reason.SLOT_WRITTEN, Reason.CUDA_GRAPHS, Reason.CANNOT_PROVE_EXCLUSIVE,
-))
+_STAGEABLE = frozenset(
+    (
+        Reason.DISPATCH_MODE,
+        Reason.SLOT_SUBCLASS,
+        Reason.DUPLICATE_SLOT,
+        Reason.INPUT_OVERLAPS_OUTPUT,
+        Reason.INPUT_NOT_CONTIGUOUS,
+        Reason.SLOT_NOT_CONTIGUOUS,
+        Reason.SLOTS_SHARED,
+        Reason.SLOT_MEMORY,
+        Reason.SLOT_WRITTEN,
+        Reason.CUDA_GRAPHS,
+        Reason.CANNOT_PROVE_EXCLUSIVE,
+    )
+)
 
 
-def stage(refused: Plan, tensor_list: list, tensor: torch.Tensor) -> Plan:
+def stage(refused: Reason, tensor_list: list, tensor: torch.Tensor) -> Outcome:
     """STAGED where ``refused`` is a reason of this rank's own slots and torch's call would write
     them without an error; else ``refused`` (torch's call then raises on this rank, as it would
     without memgather, or the reason is one every rank of a working program shares)."""
-    if refused.reason not in _STAGEABLE or _odd_layout(tensor):
+    if refused not in _STAGEABLE or _odd_layout(tensor):
         return refused
     inference = compat.inference_mode_enabled()
     for slot in tensor_list:
@@ -241,4 +230,4 @@ def stage(refused: Plan, tensor_list: list, tensor: torch.Tensor) -> Plan:
             return refused
         if slot.is_inference() and not inference:
             return refused
-    return STAGED
+    return Strategy.STAGED

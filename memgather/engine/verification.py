@@ -18,10 +18,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from memgather import compat
+from memgather import compat, frames
 from memgather.engine import agreement
 from memgather.errors import VerifyError
-from memgather.patching import callers
 
 _NONE = -1
 
@@ -38,8 +37,15 @@ def verify(
     compat.await_release(scratch)  # as agreement.exchange does: no hold of gloo's outlives the call
     for seen_by, (rank, index) in enumerate(rows):
         if rank != _NONE:
-            raise VerifyError(_site(), tuple(tensor.shape), tensor.dtype, strategy, seen_by, rank,
-                              _unravel(index, tuple(tensor.shape)))
+            raise VerifyError(
+                _site(),
+                tuple(tensor.shape),
+                tensor.dtype,
+                strategy,
+                seen_by,
+                rank,
+                _unravel(index, tuple(tensor.shape)),
+            )
 
 
 def first_difference(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> Optional[Tuple[int, int]]:
@@ -73,7 +79,7 @@ def _unravel(index: int, shape: Tuple[int, ...]) -> Tuple[int, ...]:
 
 def _site() -> str:
     """Where the verified call came from: 'module.function (file:line)'."""
-    frame, _ = callers.calling_frame(sys._getframe(1))
+    frame, _ = frames.calling_frame(sys._getframe(1))
     if frame is None:
         return "unknown caller"
     code = frame.f_code

@@ -24,7 +24,19 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-_PASSED = ("wrapt", "memgather", "torch.distributed", "torch.autograd.function")
+from memgather.frames import calling_frame, module_of, passed_through, under
+
+__all__ = [
+    "HAS_QUALNAME",
+    "calling_frame",
+    "calling_frames",
+    "module_of",
+    "passed_through",
+    "resolve",
+    "runs",
+    "runs_function_forward",
+]
+
 # Code objects carry their qualified name (co_qualname) from Python 3.11 on.
 HAS_QUALNAME = sys.version_info >= (3, 11)
 # Appliers followed past Functions' forwards (a Function applied in another's forward, ...):
@@ -33,38 +45,8 @@ _MAX_FUNCTIONS = 8
 
 
 @lru_cache(maxsize=4096)
-def passed_through(module: str) -> bool:
-    """Frames of these modules are plumbing, not the caller (cached: a walk asks it of every frame)."""
-    return _under(module, _PASSED)
-
-
-@lru_cache(maxsize=4096)
 def _in_torch(module: str) -> bool:
-    return _under(module, ("torch",))
-
-
-def _under(module: str, names: Tuple[str, ...]) -> bool:
-    return any(module == name or module.startswith(name + ".") for name in names)
-
-
-def module_of(frame: FrameType) -> str:
-    """The name of the module whose code ``frame`` runs ("" when it has none)."""
-    return frame.f_globals.get("__name__", "")
-
-
-def calling_frame(frame: Optional[FrameType]) -> Tuple[Optional[FrameType], bool]:
-    """The first frame outside the plumbing, and whether ``frame`` itself was it.
-
-    Verify mode names this frame in its errors; deciding whether to rewire goes on past
-    Functions' forwards (``calling_frames``).
-    """
-    direct = True
-    while frame is not None:
-        if not passed_through(module_of(frame)):
-            return frame, direct
-        direct = False
-        frame = frame.f_back
-    return None, False
+    return under(module, ("torch",))
 
 
 def calling_frames(frame: Optional[FrameType]) -> Tuple[List[FrameType], bool]:
@@ -129,7 +111,7 @@ def runs_function_forward(frame: FrameType) -> bool:
 
 def _defined_on_function(frame: FrameType) -> bool:
     """Whether the class ``frame``'s qualified name leads to is a Function whose ``forward`` this is."""
-    owner, _, name = frame.f_code.co_qualname.rpartition(".")  # type: ignore[attr-defined]
+    owner, _, name = frame.f_code.co_qualname.rpartition(".")
     if not owner or "<locals>" in owner:
         return False
     thing: Any = frame.f_globals.get(owner.split(".")[0])
@@ -152,7 +134,7 @@ def runs(frame: FrameType, qualname: str) -> bool:
     after its definition) does not match on those Pythons.
     """
     if HAS_QUALNAME:
-        return frame.f_code.co_qualname == qualname  # type: ignore[attr-defined]
+        return frame.f_code.co_qualname == qualname
     return any(code is frame.f_code for code in resolve(frame.f_globals, qualname))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import CodeType, ModuleType
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -23,6 +23,8 @@ import wrapt
 
 from memgather import compat, config
 from memgather.engine import core, elision, report
+from memgather.engine.call import bind
+from memgather.engine.reasons import Reason
 from memgather.patching import audits, callers, scope
 from memgather.patching import targets as registry
 
@@ -57,7 +59,8 @@ _decisions: Dict[int, Tuple[CodeType, bool, bool]] = {}  # id -> (code, rewire?,
 # Decisions for calls whose caller is found past plumbing: keyed by the ids of the code
 # objects the walk found, holding them for the same reason.
 _chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], Tuple[CodeType, bool, bool]]] = {}
-_exported: Optional[Dict[str, Optional[str]]] = None
+# What the first patch() replaced: the environment it exported over, and the engine's settings.
+_exported: Optional[Tuple[Dict[str, Optional[str]], config.Settings]] = None
 _hooked: set = set()
 _announced: set = set()
 
@@ -106,10 +109,22 @@ def patch(
         _decisions.clear()
         _chains.clear()
         _active = active
+        # Spawned children read the environment at start-up, and so re-patch as this process did.
         previous = config.export(True, selection.names, active.check, active.force, active.elide, active.verify)
         if _exported is None:
-            _exported = dict(previous)
-        core.configure()  # direct calls and the gloo threshold follow what this patch() was given
+            _exported = (dict(previous), core.settings())
+        # Direct calls (memgather.all_gather) and the thresholds follow what this patch() was given.
+        core.configure(
+            replace(
+                settings,
+                enabled=True,
+                targets=selection.names,
+                check=active.check,
+                force=active.force,
+                elide=active.elide,
+                verify=active.verify,
+            )
+        )
         _hook_targets(selection)
         report.install(settings.report)
     _log.info("memgather patched all_gather for %s", ", ".join(selection.names) or "no targets")
@@ -133,13 +148,16 @@ def unpatch() -> bool:
         _installed[:] = kept
         if kept:
             places = ", ".join(f"{_owner_name(owner)}.{name}" for owner, name, _ in kept)
-            _log.warning("another wrapper sits above memgather's on %s: memgather's is disabled there, not removed", places)
+            _log.warning(
+                "another wrapper sits above memgather's on %s: memgather's is disabled there, not removed", places
+            )
         else:
             _wrapper = None
         if _exported is not None:
-            config.restore(_exported)
+            environment, before = _exported
+            config.restore(environment)
+            core.configure(before)  # the settings calls ran under before the first patch()
             _exported = None
-        core.configure()
     return True
 
 
@@ -157,10 +175,10 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         if known is None or known[0] is not code:
             known = _decide(frame, active)
         if known[1]:
-            reason = core.torch_at_once(args, kwargs, active.check, known[2])
-            if reason is not None:  # a small call, one on ProcessGroupNCCL2, bad arguments: torch's, at once
-                return core.to_torch(reason, args, kwargs)
-            return core.handle(args, kwargs, active.check, known[2], active.verify)
+            call = bind(args, kwargs, active.check, known[2], active.verify)
+            if call is None:  # arguments torch's signature does not take: torch's own TypeError
+                return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
+            return core.handle(call)
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)
@@ -228,7 +246,9 @@ def _install() -> None:
         if _wraps_ours(current):
             continue  # ours, or someone else's wrapper around ours: re-enabling is enough
         if current is not _wrapper.__wrapped__:
-            _log.warning("%s.all_gather was replaced by someone else; memgather wraps what is there", _owner_name(owner))
+            _log.warning(
+                "%s.all_gather was replaced by someone else; memgather wraps what is there", _owner_name(owner)
+            )
         _set(owner, "all_gather", _wrapper)
 
 
@@ -247,7 +267,8 @@ def _rebind_imported(selection: registry.Selection) -> None:
     """Replace ``all_gather`` names that selected modules imported before patching."""
     assert _wrapper is not None
     original = _wrapper.__wrapped__
-    for name, module in list(sys.modules.items()):
+    modules: Dict[str, Optional[ModuleType]] = dict(sys.modules)  # an entry may be None (a blocked import)
+    for name, module in modules.items():
         if module is None or not _selected_module(name, selection):
             continue
         for attribute, value in list(vars(module).items()):
@@ -294,7 +315,7 @@ def _on_target_import(target: registry.Target) -> Any:
             active = _active
             if active is not None and target in active.selection.targets:
                 _announce(target, registry.gate(target, active.force))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a hook must never break the user's import
             _log.exception("memgather: checking %s's version failed; it is left to torch", target.name)
 
     return hook
@@ -308,5 +329,5 @@ def _configure_logging(level: Optional[int]) -> None:
     if not any(getattr(h, "_memgather", False) for h in logger.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[memgather] %(levelname)s %(message)s"))
-        handler._memgather = True  # type: ignore[attr-defined]
+        handler._memgather = True  # type: ignore[attr-defined]  # memgather's mark on its own handler
         logger.addHandler(handler)
