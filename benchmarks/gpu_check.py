@@ -98,9 +98,12 @@ def _step(name: str, command: List[str], timeout_s: float, env: Optional[Dict[st
     except subprocess.TimeoutExpired as expired:
         tail = (expired.stdout or b"")[-4000:] if isinstance(expired.stdout, bytes) else (expired.stdout or "")[-4000:]
         return {"step": name, "status": "timed out", "seconds": round(time.monotonic() - started, 1), "tail": str(tail)}
-    row: Dict[str, Any] = {"step": name, "status": "passed" if done.returncode == 0 else f"failed (exit {done.returncode})",
-                           "seconds": round(time.monotonic() - started, 1),
-                           "tail": (done.stdout[-4000:] + "\n" + done.stderr[-2000:]).strip()}
+    row: Dict[str, Any] = {
+        "step": name,
+        "status": "passed" if done.returncode == 0 else f"failed (exit {done.returncode})",
+        "seconds": round(time.monotonic() - started, 1),
+        "tail": (done.stdout[-4000:] + "\n" + done.stderr[-2000:]).strip(),
+    }
     lines = done.stdout.strip().splitlines()
     if lines:
         try:
@@ -119,14 +122,18 @@ def _site_with_pth() -> str:
 
 
 def _python_with_site(site: str, script: str) -> List[str]:
-    return [sys.executable, "-c", f"import site; site.addsitedir({site!r}); exec(compile(open({script!r}).read(), "
-                                  f"{script!r}, 'exec'))"]
+    return [
+        sys.executable,
+        "-c",
+        f"import site; site.addsitedir({site!r}); exec(compile(open({script!r}).read(), {script!r}, 'exec'))",
+    ]
 
 
 def _accelerate_path(wheels: Optional[str]) -> Optional[str]:
     """A directory with accelerate 0.23.0 on it (unpacked from a wheel), '' for the installed one, None: neither."""
     try:
         import accelerate
+
         if accelerate.__version__ == "0.23.0":
             return ""
     except ImportError:
@@ -135,16 +142,22 @@ def _accelerate_path(wheels: Optional[str]) -> Optional[str]:
     if not found:
         return None
     target = tempfile.mkdtemp(prefix="accelerate-0.23-")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target,
-                    found[0]], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target, found[0]],
+        check=True,
+        timeout=120,
+    )
     return target
 
 
 def accelerate_step(wheels: Optional[str]) -> Dict[str, Any]:
     path = _accelerate_path(wheels)
     if path is None:
-        return {"step": "accelerate 0.23.0 gather", "status": "skipped: accelerate 0.23.0 is neither installed nor "
-                                                               "in --wheels (pip download accelerate==0.23.0 --no-deps)"}
+        return {
+            "step": "accelerate 0.23.0 gather",
+            "status": "skipped: accelerate 0.23.0 is neither installed nor "
+            "in --wheels (pip download accelerate==0.23.0 --no-deps)",
+        }
     job = os.path.join(tempfile.mkdtemp(prefix="accelerate-job-"), "job.py")
     with open(job, "w") as out:
         out.write(textwrap.dedent(_ACCELERATE_JOB))
@@ -160,9 +173,12 @@ def accelerate_step(wheels: Optional[str]) -> Dict[str, Any]:
     status = "passed" if same else "failed: results differ or a run failed"
     figures = {}
     if torchs and ours:
-        figures = {"peak_torch": torchs["peak_above_input"], "peak_memgather": ours["peak_above_input"],
-                   "ratio": round(ours["peak_above_input"] / max(torchs["peak_above_input"], 1), 3),
-                   "memgather": ours.get("memgather")}
+        figures = {
+            "peak_torch": torchs["peak_above_input"],
+            "peak_memgather": ours["peak_above_input"],
+            "ratio": round(ours["peak_above_input"] / max(torchs["peak_above_input"], 1), 3),
+            "memgather": ours.get("memgather"),
+        }
     return {"step": "accelerate 0.23.0 gather", "status": status, "figures": figures, "runs": rows}
 
 
@@ -173,8 +189,17 @@ def two_ranks_step() -> Dict[str, Any]:
     store = tempfile.mktemp(prefix="memgather-store-")
     env = _env(MEMGATHER_NCCL_MIN_BYTES="0")
     started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, script, str(rank), store], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), store],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for rank in range(2)
+    ]
     outputs = []
     for proc in procs:
         try:
@@ -182,14 +207,19 @@ def two_ranks_step() -> Dict[str, Any]:
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
-            return {"step": "two ranks on one GPU", "status": "skipped: NCCL did not finish within 90 s "
-                                                             "(two ranks on one device)"}
+            return {
+                "step": "two ranks on one GPU",
+                "status": "skipped: NCCL did not finish within 90 s (two ranks on one device)",
+            }
         outputs.append((proc.returncode, out, err))
     if any(code != 0 for code, _, _ in outputs):
         tails = [err[-1500:] for _, _, err in outputs]
         refused = any("Duplicate GPU" in tail for tail in tails)
-        return {"step": "two ranks on one GPU",
-                "status": "skipped: NCCL refused two ranks on one GPU" if refused else "failed", "tails": tails}
+        return {
+            "step": "two ranks on one GPU",
+            "status": "skipped: NCCL refused two ranks on one GPU" if refused else "failed",
+            "tails": tails,
+        }
     rows = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs]
     ok = all(row["equal"] for row in rows)
     return {"step": "two ranks on one GPU", "status": "passed" if ok else "failed: results differ", "ranks": rows}
@@ -202,33 +232,70 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    summary: Dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
-                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                               "steps": []}
+    summary: Dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "steps": [],
+    }
     if not torch.cuda.is_available():
         summary["steps"].append({"step": "all", "status": "skipped: no CUDA device"})
     else:
         module = [sys.executable, "-m", "memgather"]
         bench_json = os.path.join(tempfile.mkdtemp(prefix="bench-"), "bench.json")
         summary["steps"].append(_step("selftest (NCCL, world 1)", module + ["selftest", "--backend", "nccl"], 150))
-        bench = _step("bench --shape seed (NCCL, world 1)",
-                      module + ["bench", "--backend", "nccl", "--shape", "seed", "--world-size", "1", "--repeat", "2",
-                                "--rounds", "1", "--json", bench_json], 240, _env(MEMGATHER_NCCL_MIN_BYTES="0"))
+        bench = _step(
+            "bench --shape seed (NCCL, world 1)",
+            module
+            + [
+                "bench",
+                "--backend",
+                "nccl",
+                "--shape",
+                "seed",
+                "--world-size",
+                "1",
+                "--repeat",
+                "2",
+                "--rounds",
+                "1",
+                "--json",
+                bench_json,
+            ],
+            240,
+            _env(MEMGATHER_NCCL_MIN_BYTES="0"),
+        )
         if os.path.exists(bench_json):
             with open(bench_json) as rows:
                 bench["rows"] = json.load(rows)
         summary["steps"].append(bench)
         summary["steps"].append(accelerate_step(args.wheels))
         cuda_tests = "cuda or graph_capture or input_not_contiguous or nccl2 or slot_written"
-        summary["steps"].append(_step("CUDA tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                                     "tests/test_cuda.py", "tests/test_fallbacks.py", "-k", cuda_tests],
-                                      240))
+        summary["steps"].append(
+            _step(
+                "CUDA tests",
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "tests/test_cuda.py",
+                    "tests/test_fallbacks.py",
+                    "-k",
+                    cuda_tests,
+                ],
+                240,
+            )
+        )
         summary["steps"].append(two_ranks_step())
     with open(args.out, "w") as out:
         json.dump(summary, out, indent=2)
     print(f"gpu_check: summary in {args.out}")
-    return 0 if all(step["status"] == "passed" or step["status"].startswith("skipped")
-                    for step in summary["steps"]) else 1
+    return (
+        0 if all(step["status"] == "passed" or step["status"].startswith("skipped") for step in summary["steps"]) else 1
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ collective itself costs nothing), a gather of fresh 4 KiB slots is timed under
 torch's ``all_gather`` and under ``memgather.all_gather`` (every call rewired:
 ``MEMGATHER_NCCL_MIN_BYTES=0``), taking turns for 7 rounds; it prints the medians,
 memgather's excess and the least-squares line excess = a + b x world that the NCCL
-threshold's rule uses (``memgather.engine.routes``).
+threshold's rule uses (``memgather.engine.routes``). memgather has no route for a
+backend that moves nothing, so each process gives the fake backend legacy NCCL's, as
+``benchmarks/overhead.py`` does (``treat_fake_as_legacy_nccl``): what is timed is
+memgather's own Python.
 """
 
 from __future__ import annotations
@@ -18,15 +21,21 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import List, Tuple
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+ROOT = str(Path(__file__).resolve().parent.parent)
 
 _ONE_WORLD = """
 import json, statistics, sys, time
+world, calls = int(sys.argv[1]), int(sys.argv[2])
+sys.path.insert(0, sys.argv[3])  # the repository root, for memgather and benchmarks.overhead
 import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-world, calls = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 import memgather
+from benchmarks.overhead import treat_fake_as_legacy_nccl
+treat_fake_as_legacy_nccl()  # memgather has no route for the fake backend: legacy NCCL's, in this process
 tensor = torch.ones(1024)
 def run(gather):
     started = time.perf_counter()
@@ -45,8 +54,14 @@ print(json.dumps({name: statistics.median(values) for name, values in times.item
 def measure(world: int, calls: int) -> Tuple[float, float]:
     """Median microseconds per call, torch's and memgather's, at ``world`` ranks."""
     env = {**os.environ, "MEMGATHER_NCCL_MIN_BYTES": "0", "TORCH_DISTRIBUTED_DEBUG": "OFF"}
-    done = subprocess.run([sys.executable, "-c", _ONE_WORLD, str(world), str(calls)], capture_output=True,
-                          text=True, env=env, timeout=600, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_WORLD, str(world), str(calls), ROOT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
     row = json.loads(done.stdout.strip().splitlines()[-1])
     return row["torch"], row["memgather"]
 
@@ -59,11 +74,13 @@ def fit(points: List[Tuple[int, float]]) -> Tuple[float, float]:
     return mean_y - b * mean_x, b
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/overhead_by_world.py", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--worlds", default="2,8,16,64", help="comma-separated world sizes (default 2,8,16,64)")
     parser.add_argument("--calls", type=int, default=2000, help="calls per round (default 2000)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     points = []
     print(f"{'ranks':>6} {'torch us':>10} {'memgather us':>13} {'excess us':>10}")
     for world in (int(w) for w in args.worlds.split(",")):

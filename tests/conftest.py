@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Dict, FrozenSet, Iterator, Optional, Tuple
 
 import pytest
@@ -47,21 +48,30 @@ def unwrap(results: list) -> list:
     return results
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
 # A process that is a world of 2 on torch's no-op fake backend, memgather imported, and
 # ``user``: a namespace whose code counts as the module ``user_code`` (name it as a target).
-# Its ``call(per_rank)`` gathers per_rank bytes of float32 into fresh slots.
-_FAKE_PRELUDE = """
+# Its ``call(per_rank)`` gathers per_rank bytes of float32 into fresh slots. memgather has no
+# route for a backend that moves nothing; the process gives the fake backend legacy NCCL's
+# (benchmarks/overhead.py), so that its calls reach memgather's paths as a small or a
+# rewired NCCL call does.
+_FAKE_PRELUDE = f"""
+import sys
+sys.path.append({str(ROOT)!r})  # for benchmarks.overhead
 import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 import memgather
 from memgather.engine import core
+from benchmarks.overhead import treat_fake_as_legacy_nccl
+treat_fake_as_legacy_nccl()
 exec(compile('import torch, torch.distributed as dist\\n'
              'def call(per_rank):\\n'
              '    t = torch.ones(per_rank // 4)\\n'
              '    slots = [torch.empty_like(t), torch.empty_like(t)]\\n'
              '    dist.all_gather(slots, t)\\n'
-             '    return slots\\n', '<user>', 'exec'), user := {'__name__': 'user_code'})
+             '    return slots\\n', '<user>', 'exec'), user := {{'__name__': 'user_code'}})
 """
 
 
@@ -73,3 +83,13 @@ def run_on_fake(body: str, env: Optional[Dict[str, str]] = None) -> str:
                           text=True, timeout=300, env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": "OFF", **(env or {})})
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def forget_verdicts() -> None:
+    """Drop every version verdict memgather cached, and the installed metadata it read: for tests
+    that install and remove releases in the middle of a run (the library reads them once)."""
+    from memgather.patching import audits, releases, targets
+
+    targets._gate.cache_clear()
+    audits._covers.cache_clear()
+    releases._shipped_by.cache_clear()

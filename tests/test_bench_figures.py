@@ -1,7 +1,8 @@
 """The commands behind the figures of the README and docs/, each run for real at tiny settings:
-``memgather bench --routes``, ``--startup``, ``--first-touch`` and the patterns' transport
-floor. Only the shape of what they print is checked (a well-formed table of positive
-numbers), never a timing."""
+``benchmarks/route_times.py``, ``benchmarks/startup.py``, ``benchmarks/first_touch.py`` and
+``memgather bench``'s transport floor (``benchmarks/overhead.py``: tests/test_overhead.py).
+Only the shape of what they print is checked (a well-formed table of positive numbers),
+never a timing."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from typing import List
 
 import pytest
 
+from benchmarks import route_times
 from memgather.engine import pages
-from memgather.tools import bench, route_times
+from memgather.tools import bench
 from tests.jobs import environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,8 +25,17 @@ TIME = re.compile(r"^([0-9]+(?:\.[0-9]+)?) (ms|us)$")
 
 
 def _bench(*args: str) -> "subprocess.CompletedProcess[str]":
-    return subprocess.run([sys.executable, "-m", "memgather", "bench", *args], capture_output=True, text=True,
-                          env=environment(), cwd=ROOT, timeout=300)
+    return _run("-m", "memgather", "bench", *args)
+
+
+def _script(name: str, *args: str) -> "subprocess.CompletedProcess[str]":
+    """``python benchmarks/NAME.py ARGS``, from the repository root."""
+    return _run(str(Path("benchmarks") / f"{name}.py"), *args)
+
+
+def _run(*args: str) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=environment(), cwd=ROOT,
+                          timeout=300)
 
 
 def _cells(line: str) -> List[str]:
@@ -56,7 +67,7 @@ def _table(stdout: str, header: str) -> List[List[str]]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_routes_prints_a_table_per_size(world: int) -> None:
-    done = _bench("--routes", "--world-size", str(world), "--sizes", "4K,8K", "--repeat", "1")
+    done = _script("route_times", "--world-size", str(world), "--sizes", "4K,8K", "--repeat", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"gloo, world {world}, torch " in done.stdout
     rows = _table(done.stdout, "per rank")
@@ -68,7 +79,7 @@ def test_routes_prints_a_table_per_size(world: int) -> None:
 
 
 def test_startup_prints_the_line_and_the_start_ups() -> None:
-    done = _bench("--startup", "--repeat", "3")
+    done = _script("startup", "--repeat", "3")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "memgather.pth with MEMGATHER unset (" in done.stdout
     rows = {cells[0]: cells[1:] for cells in map(_cells, done.stdout.strip().splitlines()[1:])}
@@ -81,7 +92,7 @@ def test_startup_prints_the_line_and_the_start_ups() -> None:
 
 @pytest.mark.skipif(not pages.available(), reason="no huge-page advice here (not Linux, or MEMGATHER_HUGE_PAGES=0)")
 def test_first_touch_prints_both_variants() -> None:
-    done = _bench("--first-touch", "--sizes", "4M", "--repeat", "2")
+    done = _script("first_touch", "--sizes", "4M", "--repeat", "2")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "transparent huge pages: " in done.stdout
     rows = _table(done.stdout, "size")
@@ -106,16 +117,31 @@ def test_patterns_carry_the_transport_floor(tmp_path: Path) -> None:
         assert float(printed["mg/time floor"]) == pytest.approx(row["time_memgather_vs_floor"], abs=5e-4)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--routes", "--sizes", "4K,1X"], "expected comma-separated sizes such as 4K,1M,64M"),
-    (["--routes", "--sizes", "6"], "each size must be a positive multiple of 4 bytes"),
-    (["--routes", "--backend", "nccl"], "--routes times gloo's routes"),
-    (["--first-touch", "--sizes", "1M"], "memgather advises buffers from 4 MiB on"),
-    (["--routes", "--startup"], "not allowed with argument"),
+@pytest.mark.parametrize("script,args,message", [
+    ("route_times", ["--sizes", "4K,1X"], "expected comma-separated sizes such as 4K,1M,64M"),
+    ("route_times", ["--sizes", "6"], "each size must be a positive multiple of 4 bytes"),
+    ("route_times", ["--backend", "nccl"], "route_times.py times gloo's routes"),
+    ("route_times", ["--repeat", "0"], "must be a positive integer"),
+    ("first_touch", ["--sizes", "1M"], "memgather advises buffers from 4 MiB on"),
+    ("startup", ["--repeat", "x"], "invalid positive value"),
+    ("overhead", ["--calls", "0"], "must be a positive integer"),
 ])
-def test_figure_options_name_bad_input(args: List[str], message: str) -> None:
-    done = _bench(*args)
+def test_figure_scripts_name_bad_input(script: str, args: List[str], message: str) -> None:
+    done = _script(script, *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("option", ["--overhead", "--routes", "--startup", "--first-touch", "--sizes"])
+def test_bench_measures_only_the_patterns(option: str) -> None:
+    """The figures only the docs need are the benchmarks/ scripts' now, not options of the installed command."""
+    done = _bench(option)
+    assert done.returncode == 2 and f"unrecognized arguments: {option}" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("script", ["overhead", "route_times", "startup", "first_touch"])
+def test_each_script_explains_what_it_measures(script: str) -> None:
+    done = _script(script, "--help")
+    assert done.returncode == 0 and f"usage: python benchmarks/{script}.py" in done.stdout, done.stdout + done.stderr
 
 
 def test_sizes_and_their_labels() -> None:

@@ -108,7 +108,9 @@ SCOPED_SCRIPT = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     import memgather, wrapt
+    from benchmarks.overhead import treat_fake_as_legacy_nccl
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    treat_fake_as_legacy_nccl()  # memgather has no route for the fake backend: legacy NCCL's, in this process
     memgather.patch(["tests.sites.target_caller"])
     from tests.sites import other_caller, target_caller
     counts = []
@@ -124,7 +126,7 @@ SCOPED_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("pure_python", [False, True], ids=["wrapt-c-extension", "wrapt-pure-python"])
 def test_caller_scoping_with_and_without_wrapts_extension(pure_python: bool) -> None:
-    # The fake backend is timed as legacy NCCL: its threshold would leave these 12-byte gathers to torch.
+    # The fake backend, given legacy NCCL's route: its threshold would leave these 12-byte gathers to torch.
     # TORCH_DISTRIBUTED_DEBUG off: torch cannot wrap the fake backend for DETAIL's checks.
     env = {"MEMGATHER_NCCL_MIN_BYTES": "0", "TORCH_DISTRIBUTED_DEBUG": "OFF",
            **({"WRAPT_DISABLE_EXTENSIONS": "1"} if pure_python else {})}
@@ -176,7 +178,8 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
     assert f"    {ci}\n" in readme, "the README's test command and .ci/run have drifted apart"
-    assert ci.endswith(".venv/bin/python -m pytest && .venv/bin/tox -m ci")
+    assert ci.endswith("&& .venv/bin/ruff check && .venv/bin/ruff format --check && .venv/bin/mypy "
+                       "&& .venv/bin/python -m pytest && .venv/bin/tox -m ci")
 
 
 def test_every_torch_release_environment_is_a_measured_release() -> None:

@@ -676,19 +676,25 @@ def _cannot_prove_exclusive(pools: Any) -> Counter:
     torch 1.13.1 and 2.0.1 have no torch._C._storage_Use_Count (docs/torch-releases.md):
     there overlapping slots reach it on real gloo ranks. Where torch has
     it, removing it reaches the same path; the "fake" backend gives a group of 2 in
-    one process, so fresh slots need a rebind (its route has no fill in place).
+    one process, so fresh slots need a rebind (legacy NCCL's route, which the script gives
+    the fake backend as benchmarks/overhead.py does, has no fill in place).
     """
     if not compat.can_prove_exclusive():
         return _bad_input("overlapping_slots", pools)
     _skip_without_fake_backend()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return Counter(_run_script(
-        """
+        f"""
+        import sys
+        sys.path.append({root!r})  # for benchmarks.overhead
         del torch._C._storage_Use_Count
         import os
-        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"  # the fake backend is timed as legacy NCCL: its threshold
+        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"  # the fake backend given legacy NCCL's route: its threshold
         import memgather
+        from benchmarks.overhead import treat_fake_as_legacy_nccl
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        treat_fake_as_legacy_nccl()  # memgather has no route for the fake backend
         memgather.all_gather([torch.empty(3) for _ in range(2)], torch.arange(3.0))
         print(json.dumps(dict(memgather.stats().fallbacks)))
         """
@@ -739,7 +745,7 @@ def _input_not_contiguous(pools: Any) -> Counter:
 def _nccl2(pools: Any) -> Counter:
     """A gather on a ProcessGroupNCCL2 group (backend "nccl2", torch 2.14 on), twice: the first
     call describes the group (full path), the second is settled at once."""
-    if compat._release(torch.__version__) < compat.NCCL2_OPT_IN_SINCE:
+    if compat.torch_release() < compat.NCCL2_OPT_IN_SINCE:
         pytest.skip(f"torch {torch.__version__} has no ProcessGroupNCCL2")
     counted = _on_nccl("nccl2", "nccl2", """
         def outcome(gather):

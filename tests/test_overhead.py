@@ -1,6 +1,7 @@
-"""The small-call fast path and ``memgather bench --overhead``, on torch's no-op fake backend.
+"""The small-call fast path and ``benchmarks/overhead.py``, on torch's no-op fake backend.
 
-The fake backend is timed as legacy NCCL (routes.below_threshold): a call under the NCCL
+The fake backend is given legacy NCCL's route and threshold (``run_on_fake`` applies
+``benchmarks.overhead.treat_fake_as_legacy_nccl``; memgather has none for it): a call under the NCCL
 threshold goes to torch from the wrapper, without ``core.handle`` (the full path); from the
 threshold on it is rewired. Each case runs in a process of its own, since the
 fake group is this process's default group.
@@ -8,6 +9,7 @@ fake group is this process's default group.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,18 +17,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_on_fake
+from tests.conftest import ROOT, run_on_fake
 
 
-def test_a_small_call_from_a_target_reaches_torch_from_the_wrapper() -> None:
+def test_a_small_call_on_a_known_group_is_settled_by_the_first_lines_of_the_plan() -> None:
     out = run_on_fake("""
         memgather.patch(["user_code"])
         user["call"](64 << 10)  # a group not seen before: the full path, which describes it
+        from memgather.engine import planner
         def refuse(*args, **kwargs):
-            raise AssertionError("core.handle reached")
-        full_path, core.handle = core.handle, refuse
-        user["call"](64 << 10)  # 64 KiB per rank: under the 1 MiB threshold
-        core.handle = full_path
+            raise AssertionError("planned in full")
+        full_path, planner._plan = planner._plan, refuse
+        user["call"](64 << 10)  # 64 KiB per rank: under the 1 MiB threshold, settled by plan()'s first lines
+        planner._plan = full_path
         user["call"](1 << 20)  # at the threshold: rewired
         print(dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
     """, {"MEMGATHER_NCCL_MIN_BYTES": str(1 << 20)})
@@ -34,7 +37,7 @@ def test_a_small_call_from_a_target_reaches_torch_from_the_wrapper() -> None:
 
 
 def test_the_default_nccl_threshold_keeps_a_64_mib_call_of_two_ranks_with_torch() -> None:
-    """The fake backend is timed as legacy NCCL: 864 MB per rank at 2 ranks (memgather.engine.routes)."""
+    """The fake backend, given legacy NCCL's threshold: 864 MB per rank at 2 ranks (memgather.engine.routes)."""
     out = run_on_fake("""
         memgather.patch(["user_code"])
         user["call"](64 << 20)
@@ -124,15 +127,15 @@ def test_small_cpu_calls_on_a_per_device_gloo_group_take_the_fast_path(tmp_path:
         import torch, torch.distributed as dist
         dist.init_process_group("cpu:gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
         import memgather
-        from memgather.engine import core
+        from memgather.engine import planner
         exec(compile('import torch, torch.distributed as dist\\n'
                      'def call(t): dist.all_gather([torch.empty_like(t)], t)\\n', '<user>', 'exec'),
              user := {{'__name__': 'user_code'}})
         memgather.patch(["user_code"])
         user["call"](torch.ones(8))  # describes the group
         def refuse(*args, **kwargs):
-            raise AssertionError("core.handle reached")
-        core.handle = refuse
+            raise AssertionError("planned in full")
+        planner._plan = refuse
         user["call"](torch.ones(8))
         print(dict(memgather.stats().fallbacks))
         dist.destroy_process_group()
@@ -143,7 +146,7 @@ def test_small_cpu_calls_on_a_per_device_gloo_group_take_the_fast_path(tmp_path:
 
 def test_bench_overhead_times_each_variant_as_named() -> None:
     out = run_on_fake("""
-        from memgather.tools import overhead
+        from benchmarks import overhead
         results = overhead.measure(calls=50, rounds=1)  # raises where a variant was or was not rewired against its name
         memgather.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4))
         assert dict(memgather.stats().fallbacks) == {"below_threshold": 1}, "measure() left its threshold behind"
@@ -156,3 +159,28 @@ def test_bench_overhead_times_each_variant_as_named() -> None:
         "direct slots: torch", "direct slots: rewired", "direct slots: single call alone", "Function: torch",
         "Function: non-target", "Function: rewired"]))
     assert header.split() == ["variant", "us/call", "added", "vs", "torch"]
+
+
+def test_the_benchmark_gives_the_fake_backend_legacy_nccls_route_in_its_block_only() -> None:
+    """memgather has no route for a backend that moves nothing; fake_as_legacy_nccl gives it one, then takes it back."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        sys.path.append({str(ROOT)!r})
+        import torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        import memgather
+        from benchmarks.overhead import fake_as_legacy_nccl
+        def gather():
+            memgather.reset_stats()
+            memgather.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4))
+            return dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks)
+        print(gather())
+        with fake_as_legacy_nccl():
+            print(gather())
+        print(gather())
+    """)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": "OFF", "MEMGATHER_NCCL_MIN_BYTES": "0"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["({'fallback': 1}, {'backend': 1})", "({'rebind': 1}, {})",
+                                        "({'fallback': 1}, {'backend': 1})"]

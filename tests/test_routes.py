@@ -7,6 +7,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from benchmarks.overhead import fake_as_legacy_nccl
 from memgather.engine import routes
 from tests.conftest import unwrap
 
@@ -23,7 +24,7 @@ NCCL_3 = 480_000_000
         ("gloo", CPU, True, routes.SINGLE_STAGED),
         ("gloo", CUDA, False, None),
         ("nccl", CPU, False, None),
-        ("fake", CPU, False, routes.SINGLE_STAGED),
+        ("fake", CPU, False, None),  # torch's no-op backend moves nothing: no route (benchmarks give it one)
         ("mpi", CPU, False, None),
         ("", CPU, False, None),
     ],
@@ -62,8 +63,7 @@ def test_nccl_by_flavour(backend: str, flavour: Any, expected: object) -> None:
         ("nccl", "cuda", "nccl2", NCCL_3, False),
         ("nccl", "cuda", None, 4 << 10, False),  # an NCCL class memgather has not read: no route at all
         ("nccl", "cpu", "legacy", 4 << 10, False),
-        ("fake", "cpu", None, NCCL_3 - 1, True),  # timed as legacy NCCL: its threshold
-        ("fake", "cpu", None, NCCL_3, False),
+        ("fake", "cpu", None, 4 << 10, False),  # no route at all
         ("mpi", "cpu", None, 4 << 10, False),
     ],
 )
@@ -89,6 +89,19 @@ def test_elided_route(backend: str, flavour: Any, expected: object) -> None:
     """Only ProcessGroupNCCL2 on CUDA has a route of its own for elided calls; on the CPU none has."""
     assert routes.elided_route(backend, CUDA, flavour) is expected
     assert routes.elided_route(backend, CPU, flavour) is None
+
+
+def test_the_benchmarks_give_the_fake_backend_legacy_nccls_route_and_threshold_in_their_block() -> None:
+    """benchmarks/overhead.py's stand-in: routes.choose reaches the replaced single_route through the module."""
+    with fake_as_legacy_nccl():
+        assert routes.choose("fake", CPU, False) is routes.SINGLE_STAGED
+        assert routes.single_route("fake", CPU) is routes.SINGLE_STAGED
+        assert routes.gathered_limit("fake", "cpu", None, 3) == 3 * NCCL_3
+        assert routes.gathered_limit("fake", "cpu", None, 2, nccl_min_bytes=0) == 0
+        assert routes.choose("gloo", CPU, False) is routes.BROADCAST  # every other backend as before
+        assert routes.gathered_limit("gloo", "cpu", None, 2) == 2 * routes.BROADCAST_MIN_BYTES_PER_RANK
+    assert routes.choose("fake", CPU, False) is None
+    assert routes.gathered_limit("fake", "cpu", None, 3) == 0
 
 
 def test_thresholds_are_adjustable() -> None:

@@ -35,8 +35,8 @@ NCCL threshold. On CUDA (both NCCL flavours) the default keeps memgather's own
 time under 5 % of the collective's. memgather's Python per rewired call is about
 90 us above torch's call at 2 ranks (the largest of ``memgather bench
 --overhead``'s rewired rows, rounded up) and grows with the ranks, one slot each:
-``python benchmarks/overhead_by_world.py`` fits 26.5 us + 4.77 us per rank on the
-fake backend, and CUDA adds per slot the allocator facts and a ``record_stream``,
+``python benchmarks/overhead_by_world.py`` fits 26.5 us + 4.77 us per rank on torch's
+no-op fake backend, and CUDA adds per slot the allocator facts and a ``record_stream``,
 so the rule takes 90 us + 10 us per rank beyond 2. An all-gather of t bytes per
 rank over w ranks moves t x (w - 1) bytes through each rank's link, taking
 t x (w - 1) / B at a bus bandwidth B; the overhead at most 5 % of that gives
@@ -84,6 +84,7 @@ NCCL_OVERHEAD_PER_RANK_NS = 10_000  # and for each rank beyond 2
 NCCL_BUS_BYTES_PER_NS = 480  # 480 GB/s
 NCCL_OVERHEAD_SHARE_INVERSE = 20  # at most 1/20 = 5 % of the collective's time
 
+
 @dataclass(frozen=True)
 class Route:
     """One way to move the bytes; ``saves_temp`` says whether the backend's
@@ -112,8 +113,19 @@ RING = Route("ring", saves_temp=True, needs_agreement=True, in_place=True)
 # Accepted by gloo's collectives on every release memgather supports (complex ones are
 # sent as real views, as torch's all_gather sends them); bool and bfloat16 are not on
 # torch < 2.2, and int16 or unsigned ones on none.
-RING_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32,
-                          torch.int64, torch.complex64, torch.complex128))
+RING_DTYPES = frozenset(
+    (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.complex64,
+        torch.complex128,
+    )
+)
 # What gloo's collectives take, measured on every release tox runs (tests/test_releases.py): in
 # any other dtype torch's all_gather raises "Invalid scalar type" before it touches a slot,
 # where a rebind or an in-place route would already have moved or written them.
@@ -159,21 +171,25 @@ def nccl_threshold(setting: Optional[int], world: int) -> int:
     return -(-budget // max(world - 1, 1))  # rounded up
 
 
-def gathered_limit(backend: str, device_type: str, nccl_flavour: Optional[str], world: int,
-                   gloo_min_bytes: Optional[int] = None, nccl_min_bytes: Optional[int] = None) -> int:
+def gathered_limit(
+    backend: str,
+    device_type: str,
+    nccl_flavour: Optional[str],
+    world: int,
+    gloo_min_bytes: Optional[int] = None,
+    nccl_min_bytes: Optional[int] = None,
+) -> int:
     """The gathered bytes under which a call is left to torch (0: none is): the only place it is told.
 
     Below it there is nothing or next to nothing to save, and memgather's own
     work would only add time. ``backend`` is the one for the tensor's device
     (``backend_on``). Gloo on CPU has its threshold, NCCL on CUDA (either
-    flavour) its own, and torch's fake backend (used to time memgather itself)
-    is timed as legacy NCCL. Every input is the same on every rank of a working
-    program.
+    flavour) its own; other backends have no route, so no threshold either.
+    Every input is the same on every rank of a working program.
     """
     if backend == "gloo" and device_type == "cpu":
         return world * gloo_threshold(gloo_min_bytes)
-    nccl = backend.startswith("nccl") and device_type == "cuda" and nccl_flavour in ("legacy", "nccl2")
-    if nccl or backend == "fake":
+    if backend.startswith("nccl") and device_type == "cuda" and nccl_flavour in ("legacy", "nccl2"):
         return world * nccl_threshold(nccl_min_bytes, world)
     return 0
 
@@ -182,7 +198,7 @@ def dtypes_taken(backend: str, device_type: str) -> Optional[FrozenSet[torch.dty
     """The dtypes the backend's collectives take on this device type (None: not checked, any goes)."""
     if backend != "gloo" or device_type != "cpu":
         return None  # NCCL checks the dtype before it writes, and memgather never rebinds CUDA memory
-    if compat._release(torch.__version__) >= GLOO_BOOL_BFLOAT16_SINCE:
+    if compat.torch_release() >= GLOO_BOOL_BFLOAT16_SINCE:
         return GLOO_DTYPES | {torch.bool, torch.bfloat16}
     return GLOO_DTYPES
 
@@ -192,8 +208,9 @@ def agreed(route: Optional[Route]) -> Optional[Route]:
     return route if route is None or route.needs_agreement else replace(route, needs_agreement=True)
 
 
-def choose(backend: str, device: torch.device, async_op: bool, gloo_single: bool = True,
-           nccl_flavour: Optional[str] = None) -> Optional[Route]:
+def choose(
+    backend: str, device: torch.device, async_op: bool, gloo_single: bool = True, nccl_flavour: Optional[str] = None
+) -> Optional[Route]:
     """The route for a call at or above its threshold (``gathered_limit``), or None where no
     route is known to be safe.
 
@@ -211,8 +228,9 @@ def choose(backend: str, device: torch.device, async_op: bool, gloo_single: bool
     return single_route(backend, device, gloo_single, nccl_flavour)
 
 
-def single_route(backend: str, device: torch.device, gloo_single: bool = True,
-                 nccl_flavour: Optional[str] = None) -> Optional[Route]:
+def single_route(
+    backend: str, device: torch.device, gloo_single: bool = True, nccl_flavour: Optional[str] = None
+) -> Optional[Route]:
     """Which of the two single-tensor routes a call on ``backend`` takes, or None where it has none
     (a torch whose gloo lacks the call, ProcessGroupNCCL2, another backend)."""
     if backend == "gloo" and device.type == "cpu":
@@ -222,8 +240,6 @@ def single_route(backend: str, device: torch.device, gloo_single: bool = True,
         # into a temporary): a rank that fell back still meets one that took the single call,
         # and the temporary is saved. ProcessGroupNCCL2 fills the slots itself, with broadcasts.
         return SINGLE_IN_PLACE if nccl_flavour == "legacy" else None
-    if backend == "fake":  # torch's no-op test backend, used to time memgather itself: as legacy NCCL
-        return SINGLE_STAGED
     return None
 
 
@@ -288,8 +304,10 @@ def ring_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group: Any
         # it is ready for it. Posted after the send, it made the two directions of a link take
         # turns: 2 hosts x 1 rank over 1 Gbit/s, 64 MiB per rank, 1.08-1.25 x torch's time against
         # 0.56-0.67 x (tests.multihost).
-        works = [dist.irecv(sent[(rank - step - 1) % world], src=before, group=group, tag=RING_TAG),
-                 dist.isend(sent[(rank - step) % world], dst=after, group=group, tag=RING_TAG)]
+        works = [
+            dist.irecv(sent[(rank - step - 1) % world], src=before, group=group, tag=RING_TAG),
+            dist.isend(sent[(rank - step) % world], dst=after, group=group, tag=RING_TAG),
+        ]
         _wait_all(works)  # the next step sends what this one received
     compat.await_release(sent)
 

@@ -11,10 +11,11 @@ gives the transport floor (``_measure_floor``): the time the same bytes take
 through bare collectives alone, measured once per invocation in fresh processes
 of its own, and memgather's time as a multiple of it.
 
-Instead of the patterns, one option measures one figure the README and docs/ give:
-``--overhead`` (``memgather.tools.overhead``), ``--routes`` (``memgather.tools.route_times``,
-rank processes started here), ``--startup`` (``memgather.tools.startup``) and
-``--first-touch`` (``memgather.tools.first_touch``).
+The other figures the README and docs/ quote (memgather's own microseconds per
+call, gloo's two routes timed, ``memgather.pth``'s start-up cost, a buffer's first
+touch) are measured by the scripts in the repository's ``benchmarks/`` folder,
+which are not installed; they use this module's helpers (``spawn``, ``join``,
+``timed``, ``parse_sizes``, ...), never the other way round.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from memgather.tools import patterns, rss
 
@@ -37,8 +38,6 @@ SEED_SHAPE = (64, 224, 224, 64)
 DEFAULT_SHAPE = (16, 224, 224, 16)  # 49 MiB of float32 per rank: about a minute in all on 2 cores
 MODES = ("torch", "memgather")
 DEFAULT_REPEAT = 5
-FIRST_TOUCH_REPEAT = 20
-STARTUP_RUNS = 100
 
 
 @dataclass
@@ -53,27 +52,18 @@ class RankResult:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if args.overhead:
-        from memgather.tools import overhead
-
-        print(overhead.table(overhead.measure()))
-        return 0
-    if args.routes:
-        return _routes(args)
-    if args.startup:
-        return _startup(args)
-    if args.first_touch:
-        return _first_touch(args)
     try:
         shape = _parse_shape(args.shape)
         chosen = _parse_patterns(args.patterns)
     except ValueError as error:
-        return _usage_error(error)
-    args.repeat = args.repeat or DEFAULT_REPEAT
+        return usage_error(error)
     backend = args.backend or _default_backend(args.world_size)
     if backend == "gloo" and not rss.available():
-        print("memgather bench: on CPU the peak is read from /proc/self/status after resetting it through "
-              "/proc/self/clear_refs, which this system does not have (Linux only).", file=sys.stderr)
+        print(
+            "memgather bench: on CPU the peak is read from /proc/self/status after resetting it through "
+            "/proc/self/clear_refs, which this system does not have (Linux only).",
+            file=sys.stderr,
+        )
         return 2
     floor = _transport_floor(backend, args.world_size, shape, args.dtype, args.repeat, args.rounds)
     rows = []
@@ -82,8 +72,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for round_index in range(args.rounds):
             for mode in MODES:  # alternating, so that drift on the machine hits both modes alike
                 started = time.perf_counter()
-                print(f"[bench] {pattern.label:<22} {mode:<9} {args.world_size} ranks, {backend}, shape {shape} "
-                      f"{args.dtype}, {args.repeat} repeats, round {round_index + 1}/{args.rounds} ...", end="", flush=True)
+                print(
+                    f"[bench] {pattern.label:<22} {mode:<9} {args.world_size} ranks, {backend}, shape {shape} "
+                    f"{args.dtype}, {args.repeat} repeats, round {round_index + 1}/{args.rounds} ...",
+                    end="",
+                    flush=True,
+                )
                 results[mode] += _run_mode(pattern.name, mode, backend, args.world_size, shape, args.dtype, args.repeat)
                 print(f" {time.perf_counter() - started:.1f} s", flush=True)
         rows.append(_row(pattern, backend, args.world_size, shape, args.dtype, results, floor))
@@ -97,133 +91,66 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from memgather.tools import first_touch, route_times  # they import this module
-
     parser = argparse.ArgumentParser(
         prog="memgather bench",
         description="Peak memory and time of each caller pattern's gather, torch's own all_gather vs the same "
         "code under memgather (patched; cat elision where memgather's defaults have it for the library the "
         "pattern stands for), in fresh processes, on this machine; and the transport floor: the time the same "
         "bytes take through bare collectives into a ready flat buffer (gloo: the faster of one broadcast per rank "
-        "and the single-tensor all-gather; NCCL: the single-tensor all-gather), with memgather's time as a multiple of it. --overhead, --routes, --startup and "
-        "--first-touch measure something else instead, each printing one table.",
+        "and the single-tensor all-gather; NCCL: the single-tensor all-gather), with memgather's time as a "
+        "multiple of it. The other figures the docs quote are measured by the scripts in the repository's "
+        "benchmarks/ folder.",
         epilog="Patterns: " + "; ".join(f"{p.name} ({p.stands_for})" for p in patterns.PATTERNS),
     )
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn, for the patterns and --routes (default 2)")
-    parser.add_argument("--shape", default=",".join(map(str, DEFAULT_SHAPE)),
-                        help="per-rank shape as comma-separated ints, or 'seed' for (64,224,224,64), the shape "
-                        "of the reference figure (default %(default)s)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
+    parser.add_argument(
+        "--shape",
+        default=",".join(map(str, DEFAULT_SHAPE)),
+        help="per-rank shape as comma-separated ints, or 'seed' for (64,224,224,64), the shape "
+        "of the reference figure (default %(default)s)",
+    )
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
-    parser.add_argument("--repeat", type=_positive, metavar="N",
-                        help=f"measured gathers per pattern and mode, and timing samples of the transport floor (default "
-                        f"{DEFAULT_REPEAT}); with --routes, timing "
-                        f"samples per route and size (default {DEFAULT_REPEAT}); with --first-touch, fresh buffers per "
-                        f"variant and size (default {FIRST_TOUCH_REPEAT}); with --startup, interpreter start-ups with "
-                        f"and without memgather.pth (default {STARTUP_RUNS})")
-    parser.add_argument("--rounds", type=_positive, default=1,
-                        help="fresh process groups per pattern and mode, alternating modes, and for the transport floor "
-                        "(with --routes: per table); "
-                        "times are medians over all rounds (small gathers vary between process pairs: use 15 below 1 MiB)")
+    parser.add_argument(
+        "--repeat",
+        type=positive,
+        default=DEFAULT_REPEAT,
+        metavar="N",
+        help="measured gathers per pattern and mode, and timing samples of the transport floor "
+        f"(default {DEFAULT_REPEAT})",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive,
+        default=1,
+        help="fresh process groups per pattern and mode, alternating modes, and for the transport "
+        "floor; times are medians over all rounds (small gathers vary between process pairs: use 15 "
+        "below 1 MiB)",
+    )
     parser.add_argument("--patterns", help="comma-separated subset of: " + ",".join(patterns.BY_NAME))
-    parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA has a GPU per rank, else gloo")
+    parser.add_argument(
+        "--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA has a GPU per rank, else gloo"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the pattern rows as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="also draw peak memory per pattern (needs matplotlib: pip install 'memgather[plot]')")
-    parser.add_argument("--sizes", metavar="SIZES",
-                        help="with --routes: bytes per rank, with --first-touch: buffer sizes; comma-separated, each "
-                        "a whole number with an optional K, M or G (KiB, MiB, GiB) (defaults: --routes "
-                        f"{sizes_text(route_times.DEFAULT_SIZES)}; --first-touch {sizes_text(first_touch.DEFAULT_SIZES)})")
-    instead = parser.add_mutually_exclusive_group()
-    instead.add_argument("--overhead", action="store_true",
-                         help="instead: microseconds memgather adds per call (torch's no-op 'fake' backend, in-process)")
-    instead.add_argument("--routes", action="store_true",
-                         help="instead: median time per gather of gloo's two routes at each of --sizes, --world-size "
-                         "real gloo ranks: torch's single-tensor all-gather vs memgather's broadcast route (with its "
-                         "metadata agreement round), and where broadcast starts to win: the source of memgather's "
-                         "2 MiB gloo threshold")
-    instead.add_argument("--startup", action="store_true",
-                         help="instead: what memgather.pth costs a Python start-up with MEMGATHER unset: its line "
-                         "alone (timeit), and 'python -c pass' in a bare venv with the file vs one without")
-    instead.add_argument("--first-touch", action="store_true",
-                         help="instead: time to allocate and first fill a fresh CPU buffer of each of --sizes, with "
-                         "and without memgather's huge-page advice (MADV_HUGEPAGE), in-process")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also draw peak memory per pattern (needs matplotlib: pip install 'memgather[plot]')",
+    )
     return parser
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:
+    """An argparse type: a positive integer."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text}: must be a positive integer")
     return value
 
 
-def _routes(args: argparse.Namespace) -> int:
-    """``--routes``: the single vs broadcast table (memgather.tools.route_times)."""
-    from memgather.tools import route_times
-
-    if args.backend == "nccl":
-        return _usage_error(ValueError("--routes times gloo's routes; NCCL has one route (single_in_place)"))
-    try:
-        sizes = _sizes(args.sizes, route_times.DEFAULT_SIZES, route_times.check_sizes)
-    except ValueError as error:
-        return _usage_error(error)
-    reason = route_times.usable()
-    if reason:
-        return _cannot_run("--routes", reason)
-    repeat = args.repeat or DEFAULT_REPEAT
-    rounds = []
-    for round_index in range(args.rounds):
-        started = time.perf_counter()
-        print(f"[bench] routes: {args.world_size} ranks, gloo, {', '.join(map(size_label, sizes))} per rank, "
-              f"{repeat} samples, round {round_index + 1}/{args.rounds} ...", end="", flush=True)
-        rounds.append(route_times.measure(args.world_size, sizes, repeat))
-        print(f" {time.perf_counter() - started:.1f} s", flush=True)
-    print(route_times.table(route_times.rows(rounds), args.world_size, repeat, args.rounds))
-    return 0
-
-
-def _startup(args: argparse.Namespace) -> int:
-    """``--startup``: memgather.pth's cost at interpreter start-up (memgather.tools.startup)."""
-    from memgather.tools import startup
-
-    reason = startup.usable()
-    if reason:
-        return _cannot_run("--startup", reason)
-    print(startup.table(startup.measure(args.repeat or STARTUP_RUNS)))
-    return 0
-
-
-def _first_touch(args: argparse.Namespace) -> int:
-    """``--first-touch``: a fresh buffer's first fill with and without huge-page advice (memgather.tools.first_touch)."""
-    from memgather.tools import first_touch
-
-    try:
-        sizes = _sizes(args.sizes, first_touch.DEFAULT_SIZES, first_touch.check_sizes)
-    except ValueError as error:
-        return _usage_error(error)
-    reason = first_touch.usable()
-    if reason:
-        return _cannot_run("--first-touch", reason)
-    repeat = args.repeat or FIRST_TOUCH_REPEAT
-    print(first_touch.table(first_touch.measure(sizes, repeat), repeat))
-    return 0
-
-
-def _cannot_run(option: str, reason: str) -> int:
-    """Say why ``option`` cannot measure anything here; exit status 2."""
-    print(f"memgather bench {option}: {reason}", file=sys.stderr)
+def usage_error(error: Union[ValueError, str], prog: str = "memgather bench") -> int:
+    """Say what is wrong with the command line (or why ``prog`` cannot measure anything here); exit status 2."""
+    print(f"{prog}: {error}", file=sys.stderr)
     return 2
-
-
-def _usage_error(error: ValueError) -> int:
-    print(f"memgather bench: {error}", file=sys.stderr)
-    return 2
-
-
-def _sizes(text: Optional[str], default: Sequence[int], check: Callable[[Sequence[int]], None]) -> List[int]:
-    """``--sizes`` read (or the mode's default), then checked by the mode; ValueError if unusable."""
-    sizes = parse_sizes(text) if text else list(default)
-    check(sizes)
-    return sizes
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -287,8 +214,12 @@ def _transport_floor(backend: str, world: int, shape: Tuple[int, ...], dtype: st
     by_rank: List[Dict[str, List[float]]] = []
     for round_index in range(rounds):
         started = time.perf_counter()
-        print(f"[bench] {'transport floor':<32} {world} ranks, {backend}, shape {shape} {dtype}, {repeat} repeats, "
-              f"round {round_index + 1}/{rounds} ...", end="", flush=True)
+        print(
+            f"[bench] {'transport floor':<32} {world} ranks, {backend}, shape {shape} {dtype}, {repeat} repeats, "
+            f"round {round_index + 1}/{rounds} ...",
+            end="",
+            flush=True,
+        )
         try:
             by_rank += spawn(_measure_floor, world, backend, shape, dtype, repeat)
         except RuntimeError as error:
@@ -298,7 +229,9 @@ def _transport_floor(backend: str, world: int, shape: Tuple[int, ...], dtype: st
     return min(statistics.median(_samples([rank[name] for rank in by_rank], world)) for name in by_rank[0])
 
 
-def _run_mode(pattern: str, mode: str, backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int) -> List[RankResult]:
+def _run_mode(
+    pattern: str, mode: str, backend: str, world: int, shape: Tuple[int, ...], dtype: str, repeat: int
+) -> List[RankResult]:
     try:
         by_rank = spawn(_measure, world, backend, pattern, mode, shape, dtype, repeat)
     except RuntimeError as error:
@@ -318,8 +251,9 @@ def spawn(worker: Callable[..., Any], world: int, backend: str, *args: Any) -> L
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(worker, rank, world, port, backend, args, queue))
-             for rank in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(worker, rank, world, port, backend, args, queue)) for rank in range(world)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -355,11 +289,12 @@ def _context() -> Any:
     return ctx
 
 
-def _rank_main(worker: Callable[..., Any], rank: int, world: int, port: int, backend: str, args: Tuple[Any, ...],
-               queue: Any) -> None:
+def _rank_main(
+    worker: Callable[..., Any], rank: int, world: int, port: int, backend: str, args: Tuple[Any, ...], queue: Any
+) -> None:
     try:
         result: Any = worker(rank, world, port, backend, *args)
-    except Exception as error:  # noqa: BLE001 - reported by the parent
+    except Exception as error:  # noqa: BLE001 - any error of the worker's is reported by the parent
         result = _Failure(f"{type(error).__name__}: {error}")
     queue.put((rank, result))
     queue.close()
@@ -392,8 +327,17 @@ def leave() -> None:
     dist.destroy_process_group()
 
 
-def _measure(rank: int, world: int, port: int, backend: str, pattern: str, mode: str, shape: Tuple[int, ...],
-             dtype: str, repeat: int) -> Dict[str, Any]:
+def _measure(
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    pattern: str,
+    mode: str,
+    shape: Tuple[int, ...],
+    dtype: str,
+    repeat: int,
+) -> Dict[str, Any]:
     import memgather
 
     device = join(rank, world, port, backend)
@@ -418,8 +362,9 @@ def _input(rank: int, shape: Tuple[int, ...], dtype: str, device: Any) -> Any:
     return (torch.rand(shape, generator=generator) * 1000).to(getattr(torch, dtype)).to(device)
 
 
-def _measure_floor(rank: int, world: int, port: int, backend: str, shape: Tuple[int, ...], dtype: str,
-                   repeat: int) -> Dict[str, List[float]]:
+def _measure_floor(
+    rank: int, world: int, port: int, backend: str, shape: Tuple[int, ...], dtype: str, repeat: int
+) -> Dict[str, List[float]]:
     """The transport floor: seconds per call (one per sample) that the gathered bytes take
     through bare collectives alone, with no caller code and nothing of memgather, per transport.
 
@@ -455,6 +400,7 @@ def _measure_floor(rank: int, world: int, port: int, backend: str, shape: Tuple[
             work.wait()
 
     def single_call(tensor: Any) -> None:
+        assert single is not None, "this torch has no single-tensor all-gather"
         single(flat, tensor)
 
     movers = {"single": single_call} if backend == "nccl" else {"broadcasts": broadcasts}
@@ -625,8 +571,15 @@ def digest(result: Any) -> str:
     return sha.hexdigest()
 
 
-def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, ...], dtype: str,
-         results: Dict[str, List[RankResult]], time_floor: float) -> Dict[str, Any]:
+def _row(
+    pattern: patterns.Pattern,
+    backend: str,
+    world: int,
+    shape: Tuple[int, ...],
+    dtype: str,
+    results: Dict[str, List[RankResult]],
+    time_floor: float,
+) -> Dict[str, Any]:
     import torch
 
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
@@ -639,19 +592,32 @@ def _row(pattern: patterns.Pattern, backend: str, world: int, shape: Tuple[int, 
     peak = {mode: max(statistics.median(r.peaks) for r in ranks) for mode, ranks in results.items()}
     median = {mode: statistics.median(_samples([r.seconds for r in ranks], world)) for mode, ranks in results.items()}
     # CUDA: the allocator's reserved peak grows by whole segments, so it is shown beside the allocated one.
-    reserved = {mode: max(statistics.median(r.reserved) for r in ranks) if all(r.reserved for r in ranks) else None
-                for mode, ranks in results.items()}
+    reserved = {
+        mode: max(statistics.median(r.reserved) for r in ranks) if all(r.reserved for r in ranks) else None
+        for mode, ranks in results.items()
+    }
     floor = per_rank * (world + 1)  # the input, plus the gathered result that must exist
     return {
-        "pattern": pattern.name, "label": pattern.label, "stands_for": pattern.stands_for,
-        "backend": backend, "world_size": world, "shape": list(shape), "dtype": dtype,
-        "bytes_per_rank": per_rank, "floor": floor,
-        "peak_torch": peak["torch"], "peak_memgather": peak["memgather"],
-        "peak_ratio": peak["memgather"] / peak["torch"], "memgather_vs_floor": peak["memgather"] / floor,
-        "reserved_torch": reserved["torch"], "reserved_memgather": reserved["memgather"],
-        "time_torch": median["torch"], "time_memgather": median["memgather"],
+        "pattern": pattern.name,
+        "label": pattern.label,
+        "stands_for": pattern.stands_for,
+        "backend": backend,
+        "world_size": world,
+        "shape": list(shape),
+        "dtype": dtype,
+        "bytes_per_rank": per_rank,
+        "floor": floor,
+        "peak_torch": peak["torch"],
+        "peak_memgather": peak["memgather"],
+        "peak_ratio": peak["memgather"] / peak["torch"],
+        "memgather_vs_floor": peak["memgather"] / floor,
+        "reserved_torch": reserved["torch"],
+        "reserved_memgather": reserved["memgather"],
+        "time_torch": median["torch"],
+        "time_memgather": median["memgather"],
         "time_ratio": median["memgather"] / median["torch"],
-        "time_floor": time_floor, "time_memgather_vs_floor": median["memgather"] / time_floor,
+        "time_floor": time_floor,
+        "time_memgather_vs_floor": median["memgather"] / time_floor,
         "identical": [r.digest for r in results["torch"]] == [r.digest for r in results["memgather"]],
     }
 
@@ -661,29 +627,52 @@ def _samples(by_rank: List[List[float]], world: int) -> List[float]:
     ``by_rank`` holds each rank's seconds, a round (``world`` ranks) after another."""
     samples = []
     for first in range(0, len(by_rank), world):
-        group = by_rank[first:first + world]
+        group = by_rank[first : first + world]
         samples += [max(seconds[i] for seconds in group) for i in range(len(group[0]))]
     return samples
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
     """The rows as an aligned text table."""
-    header = ("pattern", "backend", "world", "peak torch", "peak memgather", "ratio", "memgather/floor",
-              "time torch", "time memgather", "ratio", "time floor", "mg/time floor", "identical")
+    header: Tuple[str, ...] = (
+        "pattern",
+        "backend",
+        "world",
+        "peak torch",
+        "peak memgather",
+        "ratio",
+        "memgather/floor",
+        "time torch",
+        "time memgather",
+        "ratio",
+        "time floor",
+        "mg/time floor",
+        "identical",
+    )
     cuda = any(row.get("reserved_torch") is not None for row in rows)
     if cuda:
         header = header[:5] + ("reserved grew torch", "reserved grew memgather") + header[5:]
     lines = [header]
     for row in rows:
         reserved = (human_size(row["reserved_torch"]), human_size(row["reserved_memgather"])) if cuda else ()
-        lines.append((
-            row["label"], row["backend"], str(row["world_size"]),
-            human_size(row["peak_torch"]), human_size(row["peak_memgather"]), *reserved, f"{row['peak_ratio']:.3f}",
-            f"{row['memgather_vs_floor']:.3f}",
-            _duration(row["time_torch"]), _duration(row["time_memgather"]), f"{row['time_ratio']:.3f}",
-            _duration(row["time_floor"]), f"{row['time_memgather_vs_floor']:.3f}",
-            "yes" if row["identical"] else "NO",
-        ))
+        lines.append(
+            (
+                row["label"],
+                row["backend"],
+                str(row["world_size"]),
+                human_size(row["peak_torch"]),
+                human_size(row["peak_memgather"]),
+                *reserved,
+                f"{row['peak_ratio']:.3f}",
+                f"{row['memgather_vs_floor']:.3f}",
+                _duration(row["time_torch"]),
+                _duration(row["time_memgather"]),
+                f"{row['time_ratio']:.3f}",
+                _duration(row["time_floor"]),
+                f"{row['time_memgather_vs_floor']:.3f}",
+                "yes" if row["identical"] else "NO",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
@@ -695,7 +684,10 @@ def _plot(rows: List[Dict[str, Any]], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("memgather bench: --plot needs matplotlib (pip install 'memgather[plot]'); no plot written.", file=sys.stderr)
+        print(
+            "memgather bench: --plot needs matplotlib (pip install 'memgather[plot]'); no plot written.",
+            file=sys.stderr,
+        )
         return
     labels = [row["label"] for row in rows]
     positions = range(len(rows))
@@ -703,8 +695,14 @@ def _plot(rows: List[Dict[str, Any]], path: str) -> None:
     gib = float(1 << 30)
     axes.bar([p - 0.2 for p in positions], [row["peak_torch"] / gib for row in rows], 0.4, label="torch")
     axes.bar([p + 0.2 for p in positions], [row["peak_memgather"] / gib for row in rows], 0.4, label="memgather")
-    axes.scatter(list(positions), [row["floor"] / gib for row in rows], marker="_", s=900, color="black",
-                 label="floor (input + gathered)")
+    axes.scatter(
+        list(positions),
+        [row["floor"] / gib for row in rows],
+        marker="_",
+        s=900,
+        color="black",
+        label="floor (input + gathered)",
+    )
     axes.set_xticks(list(positions))
     axes.set_xticklabels(labels, rotation=20, ha="right")
     axes.set_ylabel("peak memory per rank (GiB)")

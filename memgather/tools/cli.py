@@ -43,25 +43,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memgather", description=_DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="memgather", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", metavar="{selftest,run,doctor,bench}")
-    commands.add_parser("selftest", help="run first on a new cluster, under its launcher: every caller pattern, "
-                        "torch vs memgather in verify mode (memgather selftest --help)", add_help=False)
+    commands.add_parser(
+        "selftest",
+        help="run first on a new cluster, under its launcher: every caller pattern, "
+        "torch vs memgather in verify mode (memgather selftest --help)",
+        add_help=False,
+    )
     run = commands.add_parser(
-        "run", help="run a command with memgather switched on",
+        "run",
+        help="run a command with memgather switched on",
         description="Set MEMGATHER=1 (and the options below) in the environment and exec CMD. Every Python "
         "process CMD starts (torchrun's, accelerate launch's and deepspeed's workers included) patches "
         "itself when it imports torch.distributed, through memgather.pth.",
     )
-    run.add_argument("--targets", nargs="+", metavar="T",
-                     help="built-in targets, module prefixes or '*' (default: every built-in target)")
+    run.add_argument(
+        "--targets",
+        nargs="+",
+        metavar="T",
+        help="built-in targets, module prefixes or '*' (default: every built-in target)",
+    )
     run.add_argument("--check", action="store_true", help="cross-rank shape check on every rewired call")
     run.add_argument("--force", action="store_true", help="also rewire targets outside their tested version range")
-    run.add_argument("--verify", action="store_true",
-                     help="check every rewired call against the original all_gather (test runs: doubles each gather)")
-    run.add_argument("--elide", choices=["on", "off"],
-                     help="cat elision for every rewired call (on) or none (off); default: audited targets only")
+    run.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every rewired call against the original all_gather (test runs: doubles each gather)",
+    )
+    run.add_argument(
+        "--elide",
+        choices=["on", "off"],
+        help="cat elision for every rewired call (on) or none (off); default: audited targets only",
+    )
     run.add_argument("--report", choices=["rank0", "all"], help="write statistics to stderr at exit")
     run.add_argument("--log", metavar="LEVEL", help="log memgather's messages at LEVEL (DEBUG, INFO, ...)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")

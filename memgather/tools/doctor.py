@@ -38,8 +38,10 @@ def report() -> "tuple[List[str], bool]":
     lines.append("backends:")
     gloo_min_bytes = settings.gloo_min_bytes if settings is not None else None
     nccl_min_bytes = settings.nccl_min_bytes if settings is not None else None
-    lines.extend(f"  {name:<5} {'available' if _available(dist, name) else 'not available'}: {plan}"
-                 for name, plan in backend_plans(primitive.name, gloo_min_bytes, nccl_min_bytes).items())
+    lines.extend(
+        f"  {name:<5} {'available' if _available(dist, name) else 'not available'}: {plan}"
+        for name, plan in backend_plans(primitive.name, gloo_min_bytes, nccl_min_bytes).items()
+    )
     lines.append("targets:")
     for target in targets.BUILTIN:
         verdict = targets.gate(target)
@@ -50,21 +52,26 @@ def report() -> "tuple[List[str], bool]":
     lines.append(f"environment: {settings}" if settings is not None else f"environment: INVALID: {invalid}")
     pth = find_pth()
     stale = pth_stale(pth) if pth else None
-    lines.append(f".pth: {pth or 'not installed (MEMGATHER=1 and memgather run cannot patch new processes)'}"
-                 + (f": STALE, {stale}" if stale else ""))
+    lines.append(
+        f".pth: {pth or 'not installed (MEMGATHER=1 and memgather run cannot patch new processes)'}"
+        + (f": STALE, {stale}" if stale else "")
+    )
     usable = dist.is_available() and primitive.function is not None and settings is not None and not stale
     lines.append(f"verdict: {'usable' if usable else 'NOT usable'}")
     return lines, usable
 
 
-def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None,
-                  nccl_min_bytes: Optional[int] = None) -> Dict[str, str]:
+def backend_plans(
+    primitive: Optional[str], gloo_min_bytes: Optional[int] = None, nccl_min_bytes: Optional[int] = None
+) -> Dict[str, str]:
     """What memgather does with a call on each backend, on this torch (see routes.choose)."""
     from memgather import compat
     from memgather.engine import routes
 
     if primitive is None:
-        return {name: "every call stays with torch (no single-tensor all-gather)" for name in ("gloo", "nccl", "mpi", "ucc")}
+        return {
+            name: "every call stays with torch (no single-tensor all-gather)" for name in ("gloo", "nccl", "mpi", "ucc")
+        }
     since = ".".join(map(str, compat.GLOO_SINGLE_TENSOR_SINCE))
     threshold = _size(routes.gloo_threshold(gloo_min_bytes))
     if compat.gloo_has_single_tensor():
@@ -72,7 +79,9 @@ def backend_plans(primitive: Optional[str], gloo_min_bytes: Optional[int] = None
     else:
         gloo_async = f"async ones stay with torch (gloo has no single-tensor all-gather before torch {since})"
     return {
-        "gloo": f"sync calls from {threshold} per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into the slots (a group whose ranks run on more than one host: a ring of point-to-point transfers; MEMGATHER_GLOO_ROUTE); {gloo_async}",
+        "gloo": f"sync calls from {threshold} per rank (MEMGATHER_GLOO_MIN_BYTES): one broadcast per rank into "
+        "the slots (a group whose ranks run on more than one host: a ring of point-to-point transfers; "
+        f"MEMGATHER_GLOO_ROUTE); {gloo_async}",
         "nccl": nccl_plan(primitive, nccl_min_bytes),
         "mpi": "every call stays with torch",
         "ucc": "every call stays with torch",
@@ -88,8 +97,9 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
 
     setting = os.environ.get("TORCH_DIST_USE_NCCL2")
     if nccl_min_bytes is None:
-        sizes = ", ".join(f"{routes.nccl_threshold(None, world) / 1e6:.0f} MB per rank at {world} ranks"
-                          for world in (2, 8, 64))
+        sizes = ", ".join(
+            f"{routes.nccl_threshold(None, world) / 1e6:.0f} MB per rank at {world} ranks" for world in (2, 8, 64)
+        )
         threshold = f"Calls under {sizes} stay with torch (MEMGATHER_NCCL_MIN_BYTES). "
     elif nccl_min_bytes == 0:
         threshold = "Calls of every size are rewired (MEMGATHER_NCCL_MIN_BYTES=0). "
@@ -103,13 +113,15 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
         fresh = "fresh slots stay with torch (this torch has no storage use count to prove a rebind safe)"
         cat = ""
     shown = "unset" if setting is None else repr(setting)
-    return (f'"nccl" is the {default} group here (torch {torch.__version__}, TORCH_DIST_USE_NCCL2 {shown}). '
-            f"{threshold}"
-            f"Legacy ProcessGroupNCCL: {fresh}, slots that already are views of one buffer (DeepSpeed "
-            f"ZeRO's) are filled where they lie: the gathered-size temporary of torch's list call is saved"
-            f"{cat}. ProcessGroupNCCL2 (no temporary of its own): calls whose cat is elided take "
-            f"{primitive} on every rank (a rank whose slots cannot be rebound stages through a temporary), "
-            f"every other call stays with torch")
+    return (
+        f'"nccl" is the {default} group here (torch {torch.__version__}, TORCH_DIST_USE_NCCL2 {shown}). '
+        f"{threshold}"
+        f"Legacy ProcessGroupNCCL: {fresh}, slots that already are views of one buffer (DeepSpeed "
+        f"ZeRO's) are filled where they lie: the gathered-size temporary of torch's list call is saved"
+        f"{cat}. ProcessGroupNCCL2 (no temporary of its own): calls whose cat is elided take "
+        f"{primitive} on every rank (a rank whose slots cannot be rebound stages through a temporary), "
+        f"every other call stays with torch"
+    )
 
 
 def cuda_slots() -> str:
@@ -126,8 +138,10 @@ def cuda_slots() -> str:
             rule = f"allocator {backend}: rebindable"
         else:
             rule = f"allocator {backend}: none is rebound, its frees are not stream-ordered"
-    return (f"made by torch's allocator, never written since (e.g. empty_like / zeros_like / clone), not lent "
-            f"through __cuda_array_interface__, none while a captured CUDA graph lives; {rule}")
+    return (
+        f"made by torch's allocator, never written since (e.g. empty_like / zeros_like / clone), not lent "
+        f"through __cuda_array_interface__, none while a captured CUDA graph lives; {rule}"
+    )
 
 
 def elision_lines(elide: Optional[bool]) -> List[str]:
@@ -142,8 +156,10 @@ def elision_lines(elide: Optional[bool]) -> List[str]:
     for audited in audits.AUDITED:
         verdict = audits.covers(audited)
         state = ("on, " if verdict.allowed else "off, ") if elide is None else ""
-        lines.append(f"  {audited.name}: {audited.distribution} {audited.versions} (read {', '.join(audited.read)}): "
-                     f"{state}{verdict.reason}")
+        lines.append(
+            f"  {audited.name}: {audited.distribution} {audited.versions} (read {', '.join(audited.read)}): "
+            f"{state}{verdict.reason}"
+        )
     return lines
 
 
@@ -177,10 +193,18 @@ def pth_stale(path: str) -> Optional[str]:
             lines = handle.read().splitlines()
     except (OSError, UnicodeDecodeError):
         return None  # site would say so at start-up; nothing here to add
-    missing = [name for line in lines if line.startswith(("import ", "import\t"))
-               for name in _modules_named(line) if name.startswith("memgather") and not _importable(name)]
+    missing = [
+        name
+        for line in lines
+        if line.startswith(("import ", "import\t"))
+        for name in _modules_named(line)
+        if name.startswith("memgather") and not _importable(name)
+    ]
     if missing:
-        return f"it imports {', '.join(missing)}, which this memgather has not: reinstall memgather (pip install -e . in a checkout)"
+        return (
+            f"it imports {', '.join(missing)}, which this memgather has not: reinstall memgather "
+            "(pip install -e . in a checkout)"
+        )
     return None
 
 
@@ -190,12 +214,18 @@ def _modules_named(line: str) -> List[str]:
         tree = ast.parse(line)
     except SyntaxError:
         return []
-    names = []
+    names: List[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "__import__"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "__import__"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names.append(node.args[0].value)
     return names
 

@@ -52,7 +52,8 @@ def track_allocations(on: bool) -> bool:
     then on serves blocks of up to 32 MiB from a heap that keeps freed pages
     resident, so a high-water mark would miss every later call's temporaries.
     On, the heap's free pages are returned first, then each block of 64 KiB
-    or more is mapped when allocated and unmapped when freed. Off, the threshold is pinned where glibc's own would settle.
+    or more is mapped when allocated and unmapped when freed. Off, the threshold
+    is pinned where glibc's own would settle.
     Returns False where the C library has no ``mallopt`` (not glibc).
     """
     try:

@@ -68,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, RuntimeError) as error:  # a setting, a size, or no group to join: nothing was tested
         print(f"memgather selftest: cannot run: {error}", file=sys.stderr)
         return 2
-    sizes = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
+    sizes = sizes or list(CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     lowered = device.type == "cuda" and "MEMGATHER_NCCL_MIN_BYTES" not in os.environ
     if lowered:  # this process's own setting, read by every patch() below
         os.environ["MEMGATHER_NCCL_MIN_BYTES"] = str(CUDA_TEST_THRESHOLD)
@@ -79,8 +79,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rank == 0:
         print(table(cases, world, device.type == "cuda"))
         if lowered:
-            print(f"NCCL threshold for this test: {bench.size_label(CUDA_TEST_THRESHOLD)} per rank "
-                  f"(MEMGATHER_NCCL_MIN_BYTES unset; jobs take the default, see docs/cuda.md)")
+            print(
+                f"NCCL threshold for this test: {bench.size_label(CUDA_TEST_THRESHOLD)} per rank "
+                f"(MEMGATHER_NCCL_MIN_BYTES unset; jobs take the default, see docs/cuda.md)"
+            )
         print(verdict(cases, world, str(backend)))
     dist.barrier()
     dist.destroy_process_group()
@@ -93,11 +95,15 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n", 1)[1].replace("``", "'") if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--backend", choices=["gloo", "nccl"],
-                        help="default: nccl when CUDA has a device for this rank, else gloo")
-    parser.add_argument("--sizes", metavar="SIZES",
-                        help="bytes per rank, comma-separated, each a whole number with an optional K, M or G "
-                        f"(default: CPU {bench.sizes_text(CPU_SIZES)}, CUDA {bench.sizes_text(CUDA_SIZES)})")
+    parser.add_argument(
+        "--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA has a device for this rank, else gloo"
+    )
+    parser.add_argument(
+        "--sizes",
+        metavar="SIZES",
+        help="bytes per rank, comma-separated, each a whole number with an optional K, M or G "
+        f"(default: CPU {bench.sizes_text(CPU_SIZES)}, CUDA {bench.sizes_text(CUDA_SIZES)})",
+    )
     return parser
 
 
@@ -253,8 +259,14 @@ def table(cases: List[Case], world: int, cuda: bool) -> str:
     lines = [header]
     for case in cases:
         floor = case.per_rank * (world + 1)  # the input and the gathered result
-        row = [case.pattern, bench.size_label(case.per_rank), case.took or "-", bench.human_size(case.peak_torch),
-               bench.human_size(case.peak_memgather) + (" (above torch)" if _worse(case) else ""), bench.human_size(floor)]
+        row = [
+            case.pattern,
+            bench.size_label(case.per_rank),
+            case.took or "-",
+            bench.human_size(case.peak_torch),
+            bench.human_size(case.peak_memgather) + (" (above torch)" if _worse(case) else ""),
+            bench.human_size(floor),
+        ]
         if cuda:
             row += [bench.human_size(case.reserved_torch), bench.human_size(case.reserved_memgather)]
         row.append(case.error or ("DIFFERS from torch" if case.differs else "identical"))
@@ -273,16 +285,24 @@ def verdict(cases: List[Case], world: int, backend: str) -> str:
     bad = [c for c in cases if c.differs or c.error]
     if bad:
         names = ", ".join(sorted({f"{c.pattern} at {bench.size_label(c.per_rank)}" for c in bad}))
-        return f"memgather selftest: FAIL ({where}): results differ from torch's in {names}. Keep MEMGATHER off here and report it."
+        return (
+            f"memgather selftest: FAIL ({where}): results differ from torch's in {names}. "
+            "Keep MEMGATHER off here and report it."
+        )
     # memgather.gather's small call (into_result) is torch's own call: nothing to verify.
     rewired = [c for c in cases if c.took and not c.took.startswith(("torch", Strategy.INTO_RESULT.value))]
     verified = sum(1 for c in rewired if c.verified)
     worse = sum(1 for c in cases if _worse(c))
     margin = f"{_WORSE_BYTES >> 20} MiB and {_WORSE_SHARE:.0%}"
-    memory = (f"peak more than {margin} above torch's in {worse} (marked)" if worse
-              else f"peak never more than {margin} above torch's")
-    return (f"memgather selftest: PASS ({where}): results identical to torch's on every rank; "
-            f"{len(rewired)} cases rewired, {verified} of them checked in verify mode; {memory}")
+    memory = (
+        f"peak more than {margin} above torch's in {worse} (marked)"
+        if worse
+        else f"peak never more than {margin} above torch's"
+    )
+    return (
+        f"memgather selftest: PASS ({where}): results identical to torch's on every rank; "
+        f"{len(rewired)} cases rewired, {verified} of them checked in verify mode; {memory}"
+    )
 
 
 def _worse(case: Case) -> bool:

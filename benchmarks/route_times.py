@@ -1,9 +1,11 @@
-"""``memgather bench --routes``: gloo's two routes timed against each other, per size.
+"""gloo's two routes timed against each other, per size.
+
+    python benchmarks/route_times.py [--world-size 2] [--sizes 4K,256K,...] [--repeat 5] [--rounds 1]
 
 Where memgather's gloo threshold (``routes.BROADCAST_MIN_BYTES_PER_RANK``)
 comes from. For each per-rank size, ``world`` gloo ranks (fresh processes, as
-``memgather bench`` starts them) gather a float32 tensor into one flat
-buffer, kept from call to call, by each route:
+``memgather bench`` starts them: ``memgather.tools.bench.spawn``) gather a
+float32 tensor into one flat buffer, kept from call to call, by each route:
 
 - single: torch's single-tensor all-gather (``compat.single_tensor_primitive``),
   which gloo stages through a gathered-size temporary of its own;
@@ -19,14 +21,25 @@ time is the slowest rank's. A row gives the median over samples and rounds.
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from memgather.tools import bench
+# ``python benchmarks/route_times.py``: the repository root, for memgather (the rank processes get this sys.path).
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
+from memgather.tools import bench  # noqa: E402 - after the repository root is on sys.path
+
+PROG = "python benchmarks/route_times.py"
 ROUTES = ("single", "broadcast")
 DEFAULT_SIZES = (4 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20)
+DEFAULT_REPEAT = bench.DEFAULT_REPEAT
 _ITEMSIZE = 4  # float32
 
 # Per size (bytes per rank), per route: seconds per call, one entry per sample.
@@ -57,7 +70,9 @@ def check_sizes(sizes: Sequence[int]) -> None:
     """Raise ValueError unless every size is a positive whole number of float32 elements."""
     bad = [size for size in sizes if size <= 0 or size % _ITEMSIZE]
     if bad:
-        raise ValueError(f"--sizes: {', '.join(map(str, bad))} bytes: each size must be a positive multiple of 4 bytes (float32)")
+        raise ValueError(
+            f"--sizes: {', '.join(map(str, bad))} bytes: each size must be a positive multiple of 4 bytes (float32)"
+        )
 
 
 def measure(world: int, sizes: Sequence[int], repeat: int) -> Samples:
@@ -75,7 +90,8 @@ def rows(rounds: Sequence[Samples]) -> List[Row]:
     sizes = list(rounds[0])
     median = {
         (size, route): statistics.median([s for samples in rounds for s in samples[size][route]])
-        for size in sizes for route in ROUTES
+        for size in sizes
+        for route in ROUTES
     }
     return [Row(size, median[size, "single"], median[size, "broadcast"]) for size in sizes]
 
@@ -101,12 +117,20 @@ def table(table_rows: Sequence[Row], world: int, repeat: int, rounds: int) -> st
 
     lines = [("per rank", "single", "broadcast", "broadcast/single")]
     for row in table_rows:
-        lines.append((bench.size_label(row.bytes_per_rank), _ms(row.single), _ms(row.broadcast),
-                      f"{row.broadcast / row.single:.2f}"))
+        lines.append(
+            (
+                bench.size_label(row.bytes_per_rank),
+                _ms(row.single),
+                _ms(row.broadcast),
+                f"{row.broadcast / row.single:.2f}",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     body = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
-    head = (f"gloo, world {world}, torch {torch.__version__}: median time per gather (slowest rank), "
-            f"{repeat} samples x {rounds} round{'s' if rounds != 1 else ''} per route and size")
+    head = (
+        f"gloo, world {world}, torch {torch.__version__}: median time per gather (slowest rank), "
+        f"{repeat} samples x {rounds} round{'s' if rounds != 1 else ''} per route and size"
+    )
     return "\n".join([head, *body, f"crossover: {crossover(table_rows)}"])
 
 
@@ -145,6 +169,7 @@ def _gathers(flat: Any, world: int) -> Dict[str, Callable[[Any], None]]:
     from memgather.engine import agreement, core, routes
 
     primitive = compat.single_tensor_primitive().function
+    assert primitive is not None, "this torch has no single-tensor all-gather (see usable())"
     destinations = list(flat.view(world, -1).unbind(0))
     gather_rows = core.original_all_gather()
 
@@ -168,3 +193,72 @@ def _check(flat: Any, world: int, route: str) -> None:
     expected = torch.arange(world, dtype=flat.dtype)
     if not (torch.equal(parts.amin(1), expected) and torch.equal(parts.amax(1), expected)):
         raise RuntimeError(f"the {route} route gathered wrong values")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Median time per gather of gloo's two routes at each of --sizes, on --world-size real gloo "
+        "ranks (fresh processes): torch's single-tensor all-gather vs memgather's broadcast route (with its "
+        "metadata agreement round), and where broadcast starts to win: the source of memgather's 2 MiB gloo "
+        "threshold.",
+    )
+    parser.add_argument("--world-size", type=bench.positive, default=2, help="gloo ranks to spawn (default 2)")
+    parser.add_argument(
+        "--sizes",
+        metavar="SIZES",
+        help="bytes per rank, comma-separated, each a whole number with an optional K, M or G "
+        f"(KiB, MiB, GiB), a multiple of 4 (default {bench.sizes_text(DEFAULT_SIZES)})",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=bench.positive,
+        default=DEFAULT_REPEAT,
+        metavar="N",
+        help=f"timing samples per route and size (default {DEFAULT_REPEAT})",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=bench.positive,
+        default=1,
+        help="fresh process groups, one table's samples each; times are medians over all rounds "
+        "(small gathers vary between process pairs: use 15 below 1 MiB)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default="gloo",
+        help="gloo, the only one timed: NCCL has one route (default gloo)",
+    )
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.backend == "nccl":
+        return bench.usage_error("route_times.py times gloo's routes; NCCL has one route (single_in_place)", PROG)
+    try:
+        sizes = bench.parse_sizes(args.sizes) if args.sizes else list(DEFAULT_SIZES)
+        check_sizes(sizes)
+    except ValueError as error:
+        return bench.usage_error(error, PROG)
+    reason = usable()
+    if reason:
+        return bench.usage_error(reason, PROG)
+    rounds = []
+    for round_index in range(args.rounds):
+        started = time.perf_counter()
+        print(
+            f"[route_times] {args.world_size} ranks, gloo, {', '.join(map(bench.size_label, sizes))} per rank, "
+            f"{args.repeat} samples, round {round_index + 1}/{args.rounds} ...",
+            end="",
+            flush=True,
+        )
+        rounds.append(measure(args.world_size, sizes, args.repeat))
+        print(f" {time.perf_counter() - started:.1f} s", flush=True)
+    print(table(rows(rounds), args.world_size, args.repeat, args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,6 @@
-"""``memgather bench --startup``: what ``memgather.pth`` costs a Python start-up with MEMGATHER unset.
+"""What ``memgather.pth`` costs a Python start-up with MEMGATHER unset.
+
+    python benchmarks/startup.py [--repeat 100]
 
 ``site`` runs the file's one line at every interpreter start. Two measures:
 
@@ -18,6 +20,7 @@ package: the installed one in site-packages, or the one in a source checkout.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -27,9 +30,16 @@ import time
 import timeit
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+# ``python benchmarks/startup.py``: the repository root, for memgather.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+PROG = "python benchmarks/startup.py"
 VARIANTS = ("with", "without")
+DEFAULT_RUNS = 100
 
 
 @dataclass(frozen=True)
@@ -100,15 +110,17 @@ def _starts(line: str, runs: int) -> Dict[str, List[float]]:
 
 
 def _bare_venv(directory: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True, capture_output=True, timeout=300
+    )
     return directory / "bin" / "python"
 
 
 def _check_processed(python: Path, env: Dict[str, str]) -> None:
     """With MEMGATHER=1 the line imports memgather, which the bare venv lacks: site reports it."""
-    done = subprocess.run([str(python), "-c", "pass"], capture_output=True, text=True, env=dict(env, MEMGATHER="1"),
-                          timeout=60)
+    done = subprocess.run(
+        [str(python), "-c", "pass"], capture_output=True, text=True, env=dict(env, MEMGATHER="1"), timeout=60
+    )
     if "memgather" not in done.stderr:
         raise RuntimeError(f"{python} did not process memgather.pth; the start-ups would not measure it")
 
@@ -141,3 +153,31 @@ def _spread(samples: List[float]) -> str:
         return f"median of {len(samples)}"
     low, _, high = statistics.quantiles(samples, n=4)
     return f"median of {len(samples)}; middle half {low * 1e3:.2f}-{high * 1e3:.2f} ms"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from memgather.tools import bench
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="What memgather.pth costs a Python start-up with MEMGATHER unset: its line alone (timeit: "
+        "compiled once, and as site runs it), and 'python -c pass' in a bare venv with the file vs one without, "
+        "alternating.",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=bench.positive,
+        default=DEFAULT_RUNS,
+        metavar="N",
+        help=f"interpreter start-ups with and without memgather.pth, each (default {DEFAULT_RUNS})",
+    )
+    args = parser.parse_args(argv)
+    reason = usable()
+    if reason:
+        return bench.usage_error(reason, PROG)
+    print(table(measure(args.repeat)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

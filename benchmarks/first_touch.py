@@ -1,4 +1,6 @@
-"""``memgather bench --first-touch``: what huge-page advice saves on a buffer's first touch.
+"""What huge-page advice saves on a buffer's first touch.
+
+    python benchmarks/first_touch.py [--sizes 32M] [--repeat 20]
 
 memgather advises the large CPU buffers it is about to fill (``pages.advise``).
 This times that first fill, in this process: each sample allocates a fresh
@@ -15,17 +17,26 @@ transparent huge pages: ``madvise`` mode (a common default) honours it,
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
-from memgather.engine import pages
-from memgather.tools import bench, rss
+# ``python benchmarks/first_touch.py``: the repository root, for memgather.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
+from memgather.engine import pages  # noqa: E402 - after the repository root is on sys.path
+from memgather.tools import bench, rss  # noqa: E402 - after the repository root is put on sys.path
+
+PROG = "python benchmarks/first_touch.py"
 VARIANTS = ("plain", "advised")
 DEFAULT_SIZES = (32 << 20,)
+DEFAULT_REPEAT = 20
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -49,8 +60,10 @@ def check_sizes(sizes: Sequence[int]) -> None:
     """Raise ValueError for a size memgather would not advise (below ``pages.MIN_BYTES``)."""
     small = [size for size in sizes if size < pages.MIN_BYTES]
     if small:
-        raise ValueError(f"--sizes: {', '.join(map(str, small))} bytes: memgather advises buffers from "
-                         f"{pages.MIN_BYTES >> 20} MiB on, so smaller ones would time the same code twice")
+        raise ValueError(
+            f"--sizes: {', '.join(map(str, small))} bytes: memgather advises buffers from "
+            f"{pages.MIN_BYTES >> 20} MiB on, so smaller ones would time the same code twice"
+        )
 
 
 def transparent_huge_pages() -> str:
@@ -60,7 +73,7 @@ def transparent_huge_pages() -> str:
     except OSError:
         return "unknown"
     start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else "unknown"
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
 
 
 def measure(sizes: Sequence[int], repeat: int) -> List[Row]:
@@ -107,10 +120,49 @@ def table(rows: Sequence[Row], repeat: int) -> str:
         lines.append((bench.size_label(row.size), _ms(row.plain), _ms(row.advised), f"{row.plain / row.advised:.2f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     body = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
-    head = (f"first touch of a fresh CPU buffer (allocate, advise or not, fill once; one thread), median of "
-            f"{repeat} per variant; transparent huge pages: {transparent_huge_pages()}")
+    head = (
+        f"first touch of a fresh CPU buffer (allocate, advise or not, fill once; one thread), median of "
+        f"{repeat} per variant; transparent huge pages: {transparent_huge_pages()}"
+    )
     return "\n".join([head, *body])
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Time to allocate and first fill a fresh CPU buffer of each of --sizes, with and without "
+        "memgather's huge-page advice (MADV_HUGEPAGE), in this process; the kernel's transparent huge page "
+        "mode decides whether the advice helps.",
+    )
+    parser.add_argument(
+        "--sizes",
+        metavar="SIZES",
+        help="buffer sizes, comma-separated, each a whole number with an optional K, M or G (KiB, "
+        f"MiB, GiB), from {pages.MIN_BYTES >> 20} MiB on (default {bench.sizes_text(DEFAULT_SIZES)})",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=bench.positive,
+        default=DEFAULT_REPEAT,
+        metavar="N",
+        help=f"fresh buffers per variant and size (default {DEFAULT_REPEAT})",
+    )
+    args = parser.parse_args(argv)
+    try:
+        sizes = bench.parse_sizes(args.sizes) if args.sizes else list(DEFAULT_SIZES)
+        check_sizes(sizes)
+    except ValueError as error:
+        return bench.usage_error(error, PROG)
+    reason = usable()
+    if reason:
+        return bench.usage_error(reason, PROG)
+    print(table(measure(sizes, args.repeat), args.repeat))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
