@@ -1,19 +1,31 @@
 """Environment variables, read into one typed settings object.
 
-| variable | values | meaning |
-|---|---|---|
-| ``MEMGATHER`` | unset, ``1``, ``0`` | ``1``: patch at start-up (through the ``.pth``); ``0``: kill switch, ``patch()`` does nothing |
-| ``MEMGATHER_TARGETS`` | comma-separated names | targets to rewire (built-in names, module prefixes, ``*``); unset: every built-in |
-| ``MEMGATHER_CHECK`` | boolean | cross-rank shape check on every rewired call |
-| ``MEMGATHER_FORCE`` | boolean | rewire targets whose installed version is outside the tested range |
-| ``MEMGATHER_VERIFY`` | boolean | check every rewired call against the original all_gather (test runs) |
-| ``MEMGATHER_ELIDE`` | unset, boolean | cat elision: unset = audited targets only, 1 = every rewired call, 0 = never |
-| ``MEMGATHER_GLOO_MIN_BYTES`` | bytes per rank | gloo calls below this are left to torch (default 2 MiB; 0 rewires all) |
-| ``MEMGATHER_NCCL_MIN_BYTES`` | bytes per rank | NCCL calls below this are left to torch (default 864 MB at 2 ranks, 206 MB at 8: engine/routes.py; 0 rewires all) |
-| ``MEMGATHER_GLOO_ROUTE`` | ``auto``, ``broadcast``, ``ring`` | in-place route of large gloo calls (auto: the ring where the group spans hosts) |
-| ``MEMGATHER_HUGE_PAGES`` | boolean, default on | huge-page advice on large CPU buffers memgather fills |
-| ``MEMGATHER_LOG`` | a logging level name | log memgather's messages at that level to stderr |
-| ``MEMGATHER_REPORT`` | ``1``/``rank0``, ``all``, ``0`` | statistics at exit: rank 0 only, or every rank |
+- ``MEMGATHER`` (unset, ``1``, ``0``): ``1`` patches at start-up (through the
+  ``.pth``); ``0`` is the kill switch: ``patch()`` does nothing.
+- ``MEMGATHER_TARGETS`` (comma-separated names): targets to rewire (built-in
+  names, module prefixes, ``*``); unset: every built-in.
+- ``MEMGATHER_CHECK`` (boolean): cross-rank shape check on every rewired call.
+- ``MEMGATHER_FORCE`` (boolean): rewire targets whose installed version is
+  outside the tested range.
+- ``MEMGATHER_VERIFY`` (boolean): check every rewired call against the original
+  all_gather (test runs).
+- ``MEMGATHER_ELIDE`` (unset, boolean): cat elision; unset: audited targets only,
+  1: every rewired call, 0: never.
+- ``MEMGATHER_GLOO_MIN_BYTES`` (bytes per rank): gloo calls below this are left
+  to torch (default 2 MiB; 0 rewires all).
+- ``MEMGATHER_NCCL_MIN_BYTES`` (bytes per rank): NCCL calls below this are left
+  to torch (default 864 MB at 2 ranks, 206 MB at 8: engine/routes.py; 0 rewires all).
+- ``MEMGATHER_GLOO_ROUTE`` (``auto``, ``broadcast``, ``ring``): the in-place route
+  of large gloo calls (auto: the ring where the group spans hosts).
+- ``MEMGATHER_HUGE_PAGES`` (boolean, default on): huge-page advice on large CPU
+  buffers memgather fills.
+- ``MEMGATHER_LOG`` (a logging level name): log memgather's messages at that
+  level to stderr.
+- ``MEMGATHER_REPORT`` (``1``/``rank0``, ``all``, ``0``): statistics at exit, of
+  rank 0 only or of every rank.
+
+``load`` reads them once into ``Settings``; ``patch()`` hands the engine the
+settings it runs under, and exports them so that spawned children re-patch.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from packaging.specifiers import SpecifierSet
 
 from memgather.patching import audits, targets
 from memgather.patching.targets import Target
+from tests.conftest import forget_verdicts
 
 
 @pytest.fixture()
@@ -25,11 +26,11 @@ def installed(tmp_path: Path) -> Iterator[Path]:
     package.mkdir()
     (package / "__init__.py").write_text("IMPORTED = True\n")
     sys.path.insert(0, str(tmp_path))
-    targets.forget_verdicts()
+    forget_verdicts()
     yield tmp_path
     sys.path.remove(str(tmp_path))
     sys.modules.pop("mg_fake_release", None)
-    targets.forget_verdicts()
+    forget_verdicts()
 
 
 @pytest.mark.parametrize(
@@ -211,10 +212,10 @@ def test_an_audit_covers_only_the_releases_it_read(tmp_path: Path, version: Opti
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: accelerate\nVersion: {version}\n")
     site = next(site for site in audits.AUDITED if site.distribution == "accelerate")
     sys.path.insert(0, str(tmp_path))
-    audits.forget_verdicts()
+    forget_verdicts()
     try:
         verdict = audits.covers(site)
     finally:
         sys.path.remove(str(tmp_path))
-        audits.forget_verdicts()
+        forget_verdicts()
     assert verdict.allowed is covered and reason in verdict.reason

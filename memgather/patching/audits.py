@@ -52,17 +52,27 @@ AUDITED: Tuple[AuditedSite, ...] = (
     # the list path runs on gloo/CPU only. Nothing after 1.15.0 was read. The same inner
     # name in utils.megatron_lm (gather_across_data_parallel_groups.<locals>._gpu_gather_one)
     # and operations._neuron_gather_object (1.15.0) were not audited.
-    AuditedSite("accelerate.utils.operations", "_gpu_gather.<locals>._gpu_gather_one", "accelerate",
-                ">=0.20.0,<=1.15.0", ("0.20.0", "0.23.0", "0.24.0", "1.0.0", "1.15.0"),
-                "empty_like slots, all_gather, returns torch.cat(slots, dim=0); from 0.24.0 on gloo/CPU only"),
+    AuditedSite(
+        "accelerate.utils.operations",
+        "_gpu_gather.<locals>._gpu_gather_one",
+        "accelerate",
+        ">=0.20.0,<=1.15.0",
+        ("0.20.0", "0.23.0", "0.24.0", "1.0.0", "1.15.0"),
+        "empty_like slots, all_gather, returns torch.cat(slots, dim=0); from 0.24.0 on gloo/CPU only",
+    ),
     # Read in transformers 4.0.0, 4.40.0 and 5.24.0: clone() slots, all_gather,
     # `concat = torch.cat(output_tensors, dim=0)`, returns concat or concat[:n]
     # (4.40.0 and 5.24.0 also recurse into dicts, and atleast_1d().contiguous() the input).
     # Nothing after 5.24.0 was read. distributed_broadcast_scalars has the same shape
     # but was not part of the audit.
-    AuditedSite("transformers.trainer_pt_utils", "distributed_concat", "transformers",
-                ">=4.0.0,<=5.24.0", ("4.0.0", "4.40.0", "5.24.0"),
-                "clone() slots, all_gather, returns torch.cat(slots, dim=0) or a slice of it"),
+    AuditedSite(
+        "transformers.trainer_pt_utils",
+        "distributed_concat",
+        "transformers",
+        ">=4.0.0,<=5.24.0",
+        ("4.0.0", "4.40.0", "5.24.0"),
+        "clone() slots, all_gather, returns torch.cat(slots, dim=0) or a slice of it",
+    ),
     # Read in lightning_fabric 2.1.0, 2.2.0, 2.3.0, 2.4.0, 2.5.0 and 2.6.6, and in lightning
     # 2.1.0, 2.3.0, 2.5.0 and 2.6.6 (the same file, lightning.fabric's imports): the same
     # four lines in each: `tensor = tensor.contiguous()`, then under no_grad unless
@@ -75,12 +85,22 @@ AUDITED: Tuple[AuditedSite, ...] = (
     # torch's Function does with its slots is not gated by torch release: the cat-time proof
     # (elision._invisible) checks, whatever torch did, that the stacked tensors are exactly
     # the gathered slots in order and that nothing else holds them or their buffer.
-    AuditedSite("lightning_fabric.utilities.distributed", "_all_gather_ddp_if_available", "lightning_fabric",
-                ">=2.1.0,<=2.6.6", ("2.1.0", "2.2.0", "2.3.0", "2.4.0", "2.5.0", "2.6.6"),
-                "torch.distributed.nn's all_gather (empty_like slots), returns torch.stack(slots)"),
-    AuditedSite("lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available", "lightning",
-                ">=2.1.0,<=2.6.6", ("2.1.0", "2.3.0", "2.5.0", "2.6.6"),
-                "torch.distributed.nn's all_gather (empty_like slots), returns torch.stack(slots)"),
+    AuditedSite(
+        "lightning_fabric.utilities.distributed",
+        "_all_gather_ddp_if_available",
+        "lightning_fabric",
+        ">=2.1.0,<=2.6.6",
+        ("2.1.0", "2.2.0", "2.3.0", "2.4.0", "2.5.0", "2.6.6"),
+        "torch.distributed.nn's all_gather (empty_like slots), returns torch.stack(slots)",
+    ),
+    AuditedSite(
+        "lightning.fabric.utilities.distributed",
+        "_all_gather_ddp_if_available",
+        "lightning",
+        ">=2.1.0,<=2.6.6",
+        ("2.1.0", "2.3.0", "2.5.0", "2.6.6"),
+        "torch.distributed.nn's all_gather (empty_like slots), returns torch.stack(slots)",
+    ),
 )
 
 # Keyed by the code's bare name, which every Python records (co_name); the
@@ -108,12 +128,6 @@ def covers(site: AuditedSite) -> Verdict:
 @lru_cache(maxsize=None)
 def _covers(site: AuditedSite, imported: bool) -> Verdict:
     return releases.verdict(site.distribution, site.versions, "audited range", site.module)
-
-
-def forget_verdicts() -> None:
-    """Forget cached verdicts (tests install and remove releases)."""
-    _covers.cache_clear()
-    releases.forget()
 
 
 def elides_by_default(frame: FrameType) -> bool:

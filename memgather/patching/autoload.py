@@ -21,7 +21,7 @@ def _patch(module: ModuleType) -> None:
         from memgather.patching.patcher import patch
 
         patch()
-    except Exception:  # noqa: BLE001 - never break the user's import of torch
+    except Exception:
         logging.getLogger("memgather").exception("memgather could not patch at start-up; torch runs unpatched")
 
 

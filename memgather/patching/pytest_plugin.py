@@ -11,15 +11,28 @@ from typing import Any
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("memgather", "memgather: rewire torch.distributed.all_gather")
-    group.addoption("--memgather", action="store_true", default=False,
-                    help="patch torch.distributed.all_gather for the selected targets during the run")
-    group.addoption("--memgather-targets", default=None, metavar="T1,T2",
-                    help="comma-separated targets: built-in names, module prefixes, or '*' (default: every built-in)")
-    group.addoption("--memgather-check", action="store_true", default=False,
-                    help="cross-rank shape check on every rewired call")
-    group.addoption("--memgather-verify", action="store_true", default=False,
-                    help="run the original all_gather too for every rewired call and raise "
-                         "memgather.VerifyError where the results differ (doubles each rewired gather)")
+    group.addoption(
+        "--memgather",
+        action="store_true",
+        default=False,
+        help="patch torch.distributed.all_gather for the selected targets during the run",
+    )
+    group.addoption(
+        "--memgather-targets",
+        default=None,
+        metavar="T1,T2",
+        help="comma-separated targets: built-in names, module prefixes, or '*' (default: every built-in)",
+    )
+    group.addoption(
+        "--memgather-check", action="store_true", default=False, help="cross-rank shape check on every rewired call"
+    )
+    group.addoption(
+        "--memgather-verify",
+        action="store_true",
+        default=False,
+        help="run the original all_gather too for every rewired call and raise "
+        "memgather.VerifyError where the results differ (doubles each rewired gather)",
+    )
 
 
 def pytest_configure(config: Any) -> None:
@@ -29,8 +42,11 @@ def pytest_configure(config: Any) -> None:
 
     raw = config.getoption("memgather_targets")
     chosen = [t for t in raw.split(",") if t.strip()] if raw else None
-    patcher.patch(chosen, check=True if config.getoption("memgather_check") else None,
-                  verify=True if config.getoption("memgather_verify") else None)
+    patcher.patch(
+        chosen,
+        check=True if config.getoption("memgather_check") else None,
+        verify=True if config.getoption("memgather_verify") else None,
+    )
     config._memgather_patched = True
 
 

@@ -67,7 +67,7 @@ def _installed(distribution: str, module: Optional[str]) -> Union[Installed, str
         own_name = canonicalize_name(distribution)
         shipping = [name for name in _shipped_by().get(top, []) if canonicalize_name(name) != own_name] if top else []
         versions = {name: metadata.version(name) for name in shipping}
-    except Exception:  # noqa: BLE001 - another package's broken metadata: the library's own still counts
+    except Exception:
         if own is None:
             raise
         shipping, versions = [], {}
@@ -75,8 +75,10 @@ def _installed(distribution: str, module: Optional[str]) -> Union[Installed, str
         versions[distribution] = own
     if len(set(versions.values())) > 1:
         # Two wheels that both hold the package: whichever was installed last is the code that runs.
-        return (f"the distributions that ship {top} disagree on its version: "
-                f"{', '.join(f'{name} {version}' for name, version in sorted(versions.items()))}")
+        return (
+            f"the distributions that ship {top} disagree on its version: "
+            f"{', '.join(f'{name} {version}' for name, version in sorted(versions.items()))}"
+        )
     if own is not None:
         return Installed(distribution, own, f"distribution {distribution}")
     if versions:
@@ -121,9 +123,3 @@ def _shipped_by() -> Dict[str, List[str]]:
     if scan is None:
         return {}
     return {top: sorted(set(names)) for top, names in scan().items()}
-
-
-def forget() -> None:
-    """Drop what was read (tests install and remove metadata)."""
-    _shipped_by.cache_clear()
-

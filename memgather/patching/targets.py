@@ -53,26 +53,56 @@ _LIGHTNING = (
 )
 
 BUILTIN: Tuple[Target, ...] = (
-    Target("accelerate", ("accelerate",), "accelerate", ">=0.20,<2",
-           "gather(): empty_like slots + torch.cat (every release before 0.24.0, and on gloo/CPU after); "
-           "clone() slots before 0.20.0"),
-    Target("deepspeed", ("deepspeed",), "deepspeed", ">=0.9,<1",
-           "ZeRO <= 0.12.3: adjacent views of a flat buffer, input in its own slot (direct); later list calls "
-           "in sequence parallel / MoE / Muon may repeat one padding tensor (left to torch)"),
-    Target("transformers", ("transformers",), "transformers", ">=4.0,<6",
-           "trainer_pt_utils.distributed_concat: clone() slots + torch.cat, list dropped"),
-    Target("torchmetrics", ("torchmetrics",), "torchmetrics", ">=0.11,<2",
-           "gather_all_tensors: zeros_like slots kept as a list; gathered[rank] = local afterwards"),
+    Target(
+        "accelerate",
+        ("accelerate",),
+        "accelerate",
+        ">=0.20,<2",
+        "gather(): empty_like slots + torch.cat (every release before 0.24.0, and on gloo/CPU after); "
+        "clone() slots before 0.20.0",
+    ),
+    Target(
+        "deepspeed",
+        ("deepspeed",),
+        "deepspeed",
+        ">=0.9,<1",
+        "ZeRO <= 0.12.3: adjacent views of a flat buffer, input in its own slot (direct); later list calls "
+        "in sequence parallel / MoE / Muon may repeat one padding tensor (left to torch)",
+    ),
+    Target(
+        "transformers",
+        ("transformers",),
+        "transformers",
+        ">=4.0,<6",
+        "trainer_pt_utils.distributed_concat: clone() slots + torch.cat, list dropped",
+    ),
+    Target(
+        "torchmetrics",
+        ("torchmetrics",),
+        "torchmetrics",
+        ">=0.11,<2",
+        "gather_all_tensors: zeros_like slots kept as a list; gathered[rank] = local afterwards",
+    ),
     # One family, three top-level packages released in step, each gated by its own release:
     # lightning_fabric ships as its own distribution and inside pytorch-lightning's wheel.
     Target("lightning", ("lightning",), "lightning", ">=2.0,<3", _LIGHTNING, "lightning"),
     Target("lightning_fabric", ("lightning_fabric",), "lightning_fabric", ">=2.0,<3", _LIGHTNING, "lightning"),
     Target("pytorch_lightning", ("pytorch_lightning",), "pytorch_lightning", ">=2.0,<3", _LIGHTNING, "lightning"),
-    Target("open_clip", ("open_clip",), "open_clip_torch", ">=2.0,<4",
-           "gather_features: zeros_like slots, gathered[rank] = local, then torch.cat"),
-    Target("mmengine", ("mmengine",), "mmengine", ">=0.7,<1",
-           "dist.all_gather: empty_like slots returned as a list; all_gather_object / collect_results(device='gpu'): "
-           "torch's all_gather_object (adjacent views of one buffer)"),
+    Target(
+        "open_clip",
+        ("open_clip",),
+        "open_clip_torch",
+        ">=2.0,<4",
+        "gather_features: zeros_like slots, gathered[rank] = local, then torch.cat",
+    ),
+    Target(
+        "mmengine",
+        ("mmengine",),
+        "mmengine",
+        ">=0.7,<1",
+        "dist.all_gather: empty_like slots returned as a list; all_gather_object / collect_results(device='gpu'): "
+        "torch's all_gather_object (adjacent views of one buffer)",
+    ),
 )
 
 _BY_NAME: Dict[str, Tuple[Target, ...]] = {}
@@ -132,8 +162,9 @@ def select(names: Optional[Iterable[str]] = None) -> Selection:
         elif _is_module_name(name):
             chosen.append(Target(name, (name,), note="named by the user"))
         else:
-            raise ValueError(f"target {raw!r} is neither a built-in target ({', '.join(_BY_NAME)}), "
-                             "a dotted module name, nor '*'")
+            raise ValueError(
+                f"target {raw!r} is neither a built-in target ({', '.join(_BY_NAME)}), a dotted module name, nor '*'"
+            )
     return Selection(tuple(dict.fromkeys(chosen)), every)
 
 
@@ -158,9 +189,3 @@ def gate(target: Target, force: bool = False) -> Verdict:
     module without distribution metadata show its ``__version__``.
     """
     return _gate(target, force, bool(target.prefixes) and releases.imported(target.prefixes[0]))
-
-
-def forget_verdicts() -> None:
-    """Forget cached verdicts and what was read from metadata (tests install and remove releases)."""
-    _gate.cache_clear()
-    releases.forget()

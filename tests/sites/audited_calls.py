@@ -20,7 +20,6 @@ import torch
 import memgather
 from memgather.engine import core
 from memgather.engine.elision import ElidableSlot
-from memgather.patching import audits, targets
 from tests.sites import target_caller
 
 HERE = Path(__file__).resolve().parent
@@ -91,5 +90,6 @@ def _load(name: str, path: Path) -> Any:
 
 def _forget_releases() -> None:
     """Versions are read once per process; each case brings its own metadata."""
-    targets.forget_verdicts()
-    audits.forget_verdicts()
+    from tests.conftest import forget_verdicts
+
+    forget_verdicts()
