@@ -43,8 +43,8 @@ _EXPORTS = {
     "Primitive": ("memgather.compat", "Primitive"),
     "UnevenShapesError": ("memgather.errors", "UnevenShapesError"),
     "VerifyError": ("memgather.errors", "VerifyError"),
-    "Reason": ("memgather.engine.strategies", "Reason"),
-    "Strategy": ("memgather.engine.strategies", "Strategy"),
+    "Reason": ("memgather.engine.reasons", "Reason"),
+    "Strategy": ("memgather.engine.reasons", "Strategy"),
     "Target": ("memgather.patching.targets", "Target"),
     "TARGETS": ("memgather.patching.targets", "BUILTIN"),
 }
@@ -66,14 +66,21 @@ def __dir__() -> list:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from memgather.compat import Primitive
-    from memgather.compat import single_tensor_primitive as primitive
-    from memgather.engine.core import all_gather, gather
-    from memgather.engine.counters import Stats, reset_stats, stats
-    from memgather.engine.strategies import Reason, Strategy
-    from memgather.errors import UnevenShapesError, VerifyError
-    from memgather.patching.patcher import is_patched, patch, unpatch
-    from memgather.patching.scope import disabled
-    from memgather.patching.targets import BUILTIN as TARGETS
-    from memgather.patching.targets import Target
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; ``import x as x`` marks a re-export
+    from memgather.compat import Primitive as Primitive
+    from memgather.compat import single_tensor_primitive as primitive  # noqa: F401 - re-exported as memgather.primitive
+    from memgather.engine.core import all_gather as all_gather
+    from memgather.engine.core import gather as gather
+    from memgather.engine.counters import Stats as Stats
+    from memgather.engine.counters import reset_stats as reset_stats
+    from memgather.engine.counters import stats as stats
+    from memgather.engine.reasons import Reason as Reason
+    from memgather.engine.reasons import Strategy as Strategy
+    from memgather.errors import UnevenShapesError as UnevenShapesError
+    from memgather.errors import VerifyError as VerifyError
+    from memgather.patching.patcher import is_patched as is_patched
+    from memgather.patching.patcher import patch as patch
+    from memgather.patching.patcher import unpatch as unpatch
+    from memgather.patching.scope import disabled as disabled
+    from memgather.patching.targets import BUILTIN as TARGETS  # noqa: F401 - re-exported as memgather.TARGETS
+    from memgather.patching.targets import Target as Target

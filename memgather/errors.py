@@ -36,8 +36,16 @@ class VerifyError(RuntimeError):
     ``rank`` / ``index`` the first differing slot and the element in it.
     """
 
-    def __init__(self, site: str, shape: Tuple[int, ...], dtype: torch.dtype, strategy: str, seen_by: int,
-                 rank: int, index: Tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        site: str,
+        shape: Tuple[int, ...],
+        dtype: torch.dtype,
+        strategy: str,
+        seen_by: int,
+        rank: int,
+        index: Tuple[int, ...],
+    ) -> None:
         self.site, self.shape, self.dtype, self.strategy = site, shape, dtype, strategy
         self.seen_by, self.rank, self.index = seen_by, rank, index
         super().__init__(
