@@ -117,6 +117,12 @@ _function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", No
 _tensor_torch_function = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
 
+# Whether a ``TorchFunctionMode`` is active (one that would see memgather's own tensor reads): torch's
+# own query, asked on every call. A torch without it (1.13) answers True: memgather then reads with
+# torch functions switched off, which hides its reads from a mode that may be there.
+function_mode_active: Callable[[], bool] = _function_mode_enabled or (lambda: True)
+
+
 def torch_function_mode_only(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` sees ``__torch_function__`` only because a ``TorchFunctionMode`` is active
     (``with torch.device(...)``, ``torch.set_default_device``), not because its type overrides it."""
@@ -248,10 +254,14 @@ def storage_holders(tensor: torch.Tensor) -> Optional[int]:
     return use_count - _SOLE_HOLDER_COUNTS[0] + 1
 
 
+def _untyped_storage(tensor: torch.Tensor) -> Any:
+    return tensor.untyped_storage()
+
+
 def _storage_counts(tensor: torch.Tensor) -> Tuple[int, int]:
     # The local storage object dies on return, so it cannot keep the memory
     # alive through a rebind. Subclass hooks stay out: this is memgather looking.
-    storage = _unhooked(tensor, torch.Tensor.untyped_storage)
+    storage = tensor.untyped_storage() if type(tensor) is torch.Tensor else _unhooked(tensor, _untyped_storage)
     return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
 
 
@@ -294,6 +304,8 @@ def can_prove_alias_free() -> bool:
 
 def held_only_by_python(tensor: torch.Tensor) -> bool:
     """No C++ handle to ``tensor`` beyond its Python object (only where can_prove_alias_free())."""
+    if type(tensor) is torch.Tensor:  # a plain tensor has no hook to switch off
+        return _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_alias_free()
     return _unhooked(tensor, _tensor_use_count) == 1  # type: ignore[arg-type]  # present: can_prove_alias_free()
 
 
@@ -305,9 +317,12 @@ def functorch_wrapped(tensor: torch.Tensor, others: Iterable[Any] = ()) -> bool:
     BatchedTensor, grad's tracking tensor): it has no storage of its own for memgather to lay out."""
     if _is_functorch_wrapped is None:
         return False
-    return _is_functorch_wrapped(tensor) or any(
-        isinstance(other, torch.Tensor) and _is_functorch_wrapped(other) for other in others
-    )
+    if _is_functorch_wrapped(tensor):
+        return True
+    for other in others:
+        if isinstance(other, torch.Tensor) and _is_functorch_wrapped(other):
+            return True
+    return False
 
 
 def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
@@ -364,7 +379,33 @@ def default_private_memory(tensor: torch.Tensor) -> bool:
     last two not resizable. CUDA memory has rules of its own
     (``memgather.engine.cuda_memory``): this answers False for it.
     """
+    if type(tensor) is torch.Tensor:  # a plain tensor has no hook to switch off
+        return _default_private_memory(tensor)
     return bool(_unhooked(tensor, _default_private_memory))
+
+
+def cpu_slot_facts(tensor: torch.Tensor) -> Tuple[bool, bool]:
+    """``(default_private_memory(tensor), holds_storage_alone(tensor))``, the storage read once: the
+    two facts a rebind needs of each CPU slot (only where can_prove_exclusive())."""
+    if type(tensor) is not torch.Tensor:
+        return default_private_memory(tensor), holds_storage_alone(tensor)
+    private, use_count, references = _cpu_storage_facts(tensor)
+    if use_count != _SOLE_CPU_FACTS[0] or references != _SOLE_CPU_FACTS[1]:
+        return private, False
+    return private, _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_exclusive()
+
+
+def _cpu_storage_facts(tensor: torch.Tensor) -> Tuple[bool, int, int]:
+    # As _storage_counts: the local storage object dies on return, and the counts it reads are
+    # calibrated below on a tensor nobody else knows, through this very function.
+    storage = tensor.untyped_storage()
+    private = tensor.is_cpu and storage.resizable() and not storage.is_shared() and not tensor.is_pinned()
+    return private, _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
+
+
+# What a tensor nobody else knows reports through _cpu_storage_facts, calibrated as _SOLE_HOLDER_COUNTS is.
+with torch.inference_mode(False), outside_modes():
+    _SOLE_CPU_FACTS = _cpu_storage_facts(torch.empty(1))[1:] if _use_count is not None else (0, 0)
 
 
 def _default_private_memory(tensor: torch.Tensor) -> bool:

@@ -138,10 +138,22 @@ def test_bench_measures_only_the_patterns(option: str) -> None:
     assert done.returncode == 2 and f"unrecognized arguments: {option}" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("script", ["overhead", "route_times", "startup", "first_touch"])
+@pytest.mark.parametrize("script", ["overhead", "overhead_parts", "route_times", "startup", "first_touch"])
 def test_each_script_explains_what_it_measures(script: str) -> None:
     done = _script(script, "--help")
     assert done.returncode == 0 and f"usage: python benchmarks/{script}.py" in done.stdout, done.stdout + done.stderr
+
+
+def test_overhead_parts_times_every_step_of_a_rebind() -> None:
+    done = _script("overhead_parts", "--calls", "20")
+    assert done.returncode == 0, done.stderr
+    steps = [line.rsplit(None, 1) for line in done.stdout.splitlines()[1:]]
+    assert [name.strip() for name, _ in steps] == [
+        "bind the call", "plan it (preconditions, route, slot checks)",
+        "rebind's torch calls + the single-tensor call", "bookkeeping (statistics, version counters)",
+        "the whole rewired call, through the wrapper", "torch's own call, unpatched"], done.stdout
+    values = [float(value) for _, value in steps]
+    assert values[4] > values[5], done.stdout  # a rewired call costs more than torch's own
 
 
 def test_sizes_and_their_labels() -> None:

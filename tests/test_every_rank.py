@@ -219,3 +219,31 @@ def test_a_mode_of_one_ranks_own_takes_the_others_to_torch(pools: Any, async_op:
     assert first["equal"] and second["equal"], (first, second)
     assert first["fallbacks"] == {"torch_function": 1} and "all_gather" in first["seen"], first
     assert second["fallbacks"] == {"peer_fallback": 1}, second
+
+
+def seen_by_a_mode(ctx: Any, gloo_min_bytes: Any) -> Dict[str, Any]:
+    """What a user's TorchFunctionMode sees of two small gathers (the group described, then known)."""
+    from dataclasses import replace
+
+    import memgather
+    from memgather.engine import core
+
+    given = torch.arange(6.0) + 10 * ctx.rank
+    before = core.settings()
+    core.configure(replace(before, gloo_min_bytes=gloo_min_bytes))
+    try:
+        mode = _Logged()
+        with mode:
+            for _ in range(2):
+                memgather.all_gather([torch.empty(6) for _ in range(ctx.world)], given)
+    finally:
+        core.configure(before)
+    return {"seen": [name for name in mode.seen if name != "empty"]}
+
+
+@pytest.mark.parametrize("gloo_min_bytes", [None, 0], ids=["below the threshold", "threshold 0"])
+def test_a_users_mode_sees_torchs_call_and_none_of_memgathers_reads(pools: Any, gloo_min_bytes: Any) -> None:
+    """memgather's own reads of the input and the slots, the first lines of its plan included, happen
+    where no user's TorchFunctionMode sees them: the mode sees what it sees under torch."""
+    for result in unwrap(pools(2, **DETAIL).run(seen_by_a_mode, gloo_min_bytes)):
+        assert result["seen"] == ["all_gather", "all_gather"], result

@@ -69,7 +69,7 @@ def test_a_threshold_changed_by_a_later_patch_reaches_the_fast_path() -> None:
         memgather.patch(["user_code"])
         user["call"](1 << 20)  # the same group and device: rewired now
         os.environ["MEMGATHER_NCCL_MIN_BYTES"] = str(2 << 20)
-        memgather.unpatch()  # reads the settings again, for direct calls
+        memgather.unpatch()  # direct calls: back on the settings from before the first patch()
         memgather.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4))
         print(dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
     """, {})

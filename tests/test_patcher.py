@@ -249,3 +249,23 @@ def scoped_calls(ctx: Any, targets: List[str]) -> Dict[str, Any]:
     target_caller.gather(filled(ctx.rank))
     result["after_unpatch"] = {"calls": memgather.stats().calls}
     return result
+
+
+def test_unpatch_puts_the_engine_back_on_its_settings_from_before_the_first_patch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """patch() hands the engine what it was given over the environment; unpatch() does not read the
+    environment back (it still says what patch() exported, or what the caller set since)."""
+    from memgather.engine import core
+
+    before = core.settings()
+    monkeypatch.setenv("MEMGATHER_GLOO_MIN_BYTES", "0")
+    monkeypatch.setenv("MEMGATHER_CHECK", "1")
+    memgather.patch(["mypkg"], verify=True)
+    try:
+        during = core.settings()
+        memgather.patch(["mypkg"])  # a second patch() replaces the settings, not the ones to go back to
+    finally:
+        memgather.unpatch()
+    assert (during.gloo_min_bytes, during.check, during.verify, during.targets) == (0, True, True, ("mypkg",))
+    assert core.settings() is before

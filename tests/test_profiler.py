@@ -1,4 +1,4 @@
-"""What a profile shows of a rewired call: one memgather::all_gather range around memgather's own collectives."""
+"""What a profile shows of a call memgather handles: one memgather::all_gather range around its collectives, or torch's."""
 
 from __future__ import annotations
 
@@ -32,3 +32,28 @@ def test_a_rewired_call_reads_as_one_range(pools: Any) -> None:
         assert names["memgather"].count("gloo:broadcast") == 2, names["memgather"]
         assert PROFILER_RANGE not in names["torch"] and "gloo:all_gather" in names["torch"], names["torch"]
 
+
+
+def profiled_fallbacks(ctx: Any) -> Dict[str, List[str]]:
+    """Event names of calls memgather leaves to torch: a small one (the plan's first lines settle it,
+    the group described by a first call) and one planned in full (a slot that is a Parameter, async)."""
+    t = torch.full((4,), float(ctx.rank))
+    memgather.all_gather([torch.empty_like(t) for _ in range(ctx.world)], t)  # describes the group
+    names: Dict[str, List[str]] = {}
+    for name, slots, async_op in (
+        ("small", [torch.empty_like(t) for _ in range(ctx.world)], False),
+        ("planned", [torch.nn.Parameter(torch.empty_like(t), requires_grad=False) for _ in range(ctx.world)], True),
+    ):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            work = memgather.all_gather(slots, t, async_op=async_op)
+            if work is not None:
+                work.wait()
+        assert all(torch.equal(s, torch.full((4,), float(r))) for r, s in enumerate(slots))
+        names[name] = [event.name for event in prof.events()]
+    return names
+
+
+def test_a_call_left_to_torch_reads_as_one_range_around_torchs_own(pools: Any) -> None:
+    for names in unwrap(pools(2, **EAGER).run(profiled_fallbacks)):
+        for events in names.values():
+            assert events.count(PROFILER_RANGE) == 1 and "gloo:all_gather" in events, events

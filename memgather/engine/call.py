@@ -27,13 +27,20 @@ class Call(NamedTuple):
     verify: bool
 
 
+# Builds a Call from one tuple of its fields, in order, without the NamedTuple's Python-level
+# __new__: every call through the wrapper is bound, small ones (the most frequent) included.
+_new = tuple.__new__
+
+
 def bind(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool, elide: bool, verify: bool) -> Optional[Call]:
     """The call, or None where torch's signature does not take its arguments (torch then raises
     its own TypeError, which memgather's keywords would word otherwise)."""
     count = len(args)
+    if count == 2 and not kwargs:  # all_gather(tensor_list, tensor), as most callers write it
+        return _new(Call, (args[0], args[1], None, False, args, kwargs, check, elide, verify))
     if count > 4 or count + len(kwargs) < 2 or (kwargs and not _binds(count, kwargs)):
         return None
-    return Call(
+    fields = (
         args[0] if count else kwargs["tensor_list"],
         args[1] if count > 1 else kwargs["tensor"],
         args[2] if count > 2 else kwargs.get("group"),
@@ -44,6 +51,7 @@ def bind(args: Tuple[Any, ...], kwargs: Dict[str, Any], check: bool, elide: bool
         elide,
         verify,
     )
+    return _new(Call, fields)
 
 
 def _binds(count: int, kwargs: Dict[str, Any]) -> bool:

@@ -110,18 +110,18 @@ def all_gather(
 
 def handle(call: Call) -> Any:
     """Carry out one bound call: plan it, agree where the plan says so, execute the plan."""
+    if compat.profiler_enabled():
+        # One range in a profile for each call memgather handles: its collectives show inside it.
+        with torch.autograd.profiler.record_function(PROFILER_RANGE):
+            return _handle(call)
+    return _handle(call)
+
+
+def _handle(call: Call) -> Any:
     elision.disarm_reused(call.tensor_list)  # slots armed by an earlier gather are plain again first
     plan = planner.plan(call)
     if plan.strategy is _FALLBACK and not plan.agree:  # most calls: small ones, at once to torch
         return to_torch(plan.reason, call.args, call.kwargs)
-    if not compat.profiler_enabled():
-        return _agree_and_execute(plan, call)
-    # One range in a profile for the user's call: memgather's collectives show inside it.
-    with torch.autograd.profiler.record_function(PROFILER_RANGE):
-        return _agree_and_execute(plan, call)
-
-
-def _agree_and_execute(plan: Plan, call: Call) -> Any:
     if plan.agree:
         gloo_route = _settings.gloo_route
         verdict = agreement.poll(_original_all_gather, call, plan, gloo_route)
@@ -191,7 +191,7 @@ def _rewire(plan: Plan, call: Call) -> Any:
         written = tensor_list if flat is None else slots.views(flat, len(tensor_list), call.tensor.shape)
         if work is not None:
             work.wait()  # verify mode completes async calls before they return
-        verification.verify(_original_all_gather, written, call.tensor, call.group, plan.strategy.value)
+        verification.verify(_original_all_gather, written, call.tensor, call.group, _COUNTED[plan.strategy])
         counters.record_verified()
     return work
 

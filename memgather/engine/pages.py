@@ -4,8 +4,8 @@ Touching fresh memory costs a page fault per 4 KiB page; most of the time of
 a large CPU gather is spent there. Where the kernel's transparent huge pages
 are in ``madvise`` mode (a common default), ``madvise(MADV_HUGEPAGE)`` on a
 buffer before it is written makes its first touch about 3.7x cheaper (a
-fresh 32 MiB buffer allocated and filled: 20.10 ms -> 5.46 ms on this
-project's machine, ``memgather bench --first-touch``). Only advice: it
+fresh 32 MiB buffer allocated and filled: 20.10 ms -> 5.46 ms in one
+measurement, ``python benchmarks/first_touch.py``). Only advice: it
 changes no value, and where it is not available nothing happens.
 ``MEMGATHER_HUGE_PAGES=0`` turns it off.
 """

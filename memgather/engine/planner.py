@@ -76,21 +76,35 @@ def plan(call: Call) -> Plan:
     """
     tensor = call.tensor
     if not call.check and type(tensor) is torch.Tensor:
-        known = _on_device(call.group, tensor, None)  # a group is described once a call on it was planned
+        if compat.function_mode_active():
+            # memgather's own reads of the input and the slots: no user's mode is to see them.
+            with torch._C.DisableTorchFunction():
+                known, gathered = _group_and_size(call, tensor)
+        else:
+            known = _on_device(call.group, tensor, None)
+            gathered = None if known is None else _gathered_bytes(call.tensor_list, known.info.world)
         if known is not None:
             if known.unelided is not None and not call.elide:
                 return to_torch(known.unelided)
-            gathered = _gathered_bytes(call.tensor_list, known.info.world)
             if gathered is not None and gathered < known.limit:
                 return _BELOW_THRESHOLD
             return _plan(call, known, gathered)
     return _plan(call)
 
 
+def _group_and_size(call: Call, tensor: torch.Tensor) -> Tuple[Optional[_OnDevice], Optional[int]]:
+    """What the call's group takes on the input's device type (None: the group is not described
+    yet; it is once a call on it was planned in full), and the slots' bytes."""
+    known = _on_device(call.group, tensor, None)
+    if known is None:
+        return None, None
+    return known, _gathered_bytes(call.tensor_list, known.info.world)
+
+
 def _plan(call: Call, known: Optional[_OnDevice] = None, gathered: Optional[int] = None) -> Plan:
     """The plan in full; ``known`` and ``gathered``: what the first lines found, if they found the group."""
     tensor_list, tensor, group, elide = call.tensor_list, call.tensor, call.group, call.elide
-    reason = _precondition(tensor_list, tensor, group)
+    reason = _precondition(tensor_list, tensor, group, known is not None)
     if reason is Reason.TORCH_FUNCTION and compat.torch_function_mode_only(tensor):
         return _under_function_mode(call)
     if reason is not None:
@@ -268,8 +282,12 @@ def _forget(key: Tuple[int, str], reference: Any) -> None:
         _known.pop(key, None)
 
 
-def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]:
-    """Reasons to stay out that hold alike on every rank of the group."""
+def _precondition(tensor_list: Any, tensor: Any, group: Any, described: bool = False) -> Optional[Reason]:
+    """Reasons to stay out that hold alike on every rank of the group.
+
+    ``described``: the group was described before, which only a call that passed these checks
+    does; what they tell of the group object itself (a group, this rank in it) holds still.
+    """
     if not isinstance(tensor, torch.Tensor):
         return Reason.NOT_A_TENSOR
     if has_torch_function((tensor,)) and not compat.only_device_modes(tensor):
@@ -289,10 +307,11 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any) -> Optional[Reason]
         return Reason.FUNCTORCH
     if not dist.is_initialized():
         return Reason.NOT_INITIALIZED
-    if compat.not_a_group(group):
-        return Reason.BAD_ARGUMENTS  # torch fails on it in its own way
-    if compat.rank_not_in_group(group):
-        return Reason.NOT_IN_GROUP
+    if not described:
+        if compat.not_a_group(group):
+            return Reason.BAD_ARGUMENTS  # torch fails on it in its own way
+        if compat.rank_not_in_group(group):
+            return Reason.NOT_IN_GROUP
     if compat.is_coalescing(group):
         return Reason.COALESCING
     if compat.single_tensor_primitive().function is None:

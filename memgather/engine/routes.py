@@ -22,8 +22,8 @@ Three routes exist:
   group's ranks run on more than one host, else the broadcasts.
 
 Gloo threshold. Broadcasts are taken from 2 MiB per rank; they save the
-gathered size in memory. ``memgather bench --routes`` (``--world-size 4``
-for four ranks; ``memgather.tools.route_times``) prints the median time per gather
+gathered size in memory. ``python benchmarks/route_times.py`` (``--world-size 4``
+for four ranks) prints the median time per gather
 of each route at each size ("broadcast" includes the agreement round) and
 the size from which broadcast is faster. Below it memgather leaves gloo
 calls to torch: gloo stages the single call through a temporary just as it
@@ -33,8 +33,8 @@ every gloo call).
 
 NCCL threshold. On CUDA (both NCCL flavours) the default keeps memgather's own
 time under 5 % of the collective's. memgather's Python per rewired call is about
-90 us above torch's call at 2 ranks (the largest of ``memgather bench
---overhead``'s rewired rows, rounded up) and grows with the ranks, one slot each:
+90 us above torch's call at 2 ranks (the largest of the rewired rows
+``python benchmarks/overhead.py`` prints, rounded up) and grows with the ranks, one slot each:
 ``python benchmarks/overhead_by_world.py`` fits 26.5 us + 4.77 us per rank on torch's
 no-op fake backend, and CUDA adds per slot the allocator facts and a ``record_stream``,
 so the rule takes 90 us + 10 us per rank beyond 2. An all-gather of t bytes per

@@ -68,33 +68,28 @@ def _check_slots(tensor_list: Any, tensor: torch.Tensor, world: int) -> Optional
         return Reason.NOT_A_LIST
     if len(tensor_list) != world:
         return Reason.WRONG_LENGTH
+    # Read once: every slot is held to the input's.
+    dtype, device, shape, strided = tensor.dtype, tensor.device, tensor.shape, torch.strided
     for slot in tensor_list:
-        problem = _check_slot(slot, tensor)
-        if problem is not None:
-            return problem
+        # Given slots are plain tensors sharing a result's buffer. Armed ones were made plain
+        # before the call was planned (``elision.disarm_reused``): any other class is the caller's.
+        if type(slot) is not torch.Tensor and type(slot) is not elision.GivenSlot:
+            return Reason.SLOT_SUBCLASS if isinstance(slot, torch.Tensor) else Reason.NOT_A_TENSOR
+        if slot.dtype != dtype:
+            return Reason.DTYPE_MISMATCH
+        if slot.device != device:
+            return Reason.DEVICE_MISMATCH
+        # Not quantized: the dtype equals the input's, which was checked.
+        if slot.layout is not strided or slot.is_conj() or slot.is_neg():
+            return Reason.UNSUPPORTED_LAYOUT
+        if slot.shape != shape:
+            return Reason.UNEVEN_SLOTS
+        if slot.requires_grad:
+            return Reason.SLOT_REQUIRES_GRAD
+        if slot.is_inference() and not compat.inference_mode_enabled():
+            return Reason.INFERENCE_TENSOR
     if len({id(slot) for slot in tensor_list}) != world:
         return Reason.DUPLICATE_SLOT
-    return None
-
-
-def _check_slot(slot: Any, tensor: torch.Tensor) -> Optional[Reason]:
-    # Given slots are plain tensors sharing a result's buffer. Armed ones were made plain
-    # before the call was planned (``elision.disarm_reused``): any other class is the caller's.
-    if type(slot) is not torch.Tensor and type(slot) is not elision.GivenSlot:
-        return Reason.SLOT_SUBCLASS if isinstance(slot, torch.Tensor) else Reason.NOT_A_TENSOR
-    if slot.dtype != tensor.dtype:
-        return Reason.DTYPE_MISMATCH
-    if slot.device != tensor.device:
-        return Reason.DEVICE_MISMATCH
-    # Not quantized: the dtype equals the input's, which was checked.
-    if slot.layout is not torch.strided or slot.is_conj() or slot.is_neg():
-        return Reason.UNSUPPORTED_LAYOUT
-    if slot.shape != tensor.shape:
-        return Reason.UNEVEN_SLOTS
-    if slot.requires_grad:
-        return Reason.SLOT_REQUIRES_GRAD
-    if slot.is_inference() and not compat.inference_mode_enabled():
-        return Reason.INFERENCE_TENSOR
     return None
 
 
@@ -138,11 +133,14 @@ def _rebind_refusal(slots: list, tensor: torch.Tensor) -> Optional[Reason]:
             refused = cuda_memory.refusal(cuda_memory.read(slot))
             if refused is not None:
                 return refused
-        elif not compat.default_private_memory(slot):
-            return Reason.SLOT_MEMORY
+            alone = None  # asked below, once the CUDA facts allowed it
+        else:
+            private, alone = compat.cpu_slot_facts(slot)
+            if not private:
+                return Reason.SLOT_MEMORY
         if slot is tensor:  # the only way an input can share a storage a slot holds alone
             return Reason.INPUT_OVERLAPS_OUTPUT
-        if compat.holds_storage_alone(slot):
+        if alone or (alone is None and compat.holds_storage_alone(slot)):
             continue
         # A slot sharing its buffer only with a result elision handed out may
         # be released: rebinding never writes into that buffer. Unless the
