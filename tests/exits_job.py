@@ -1,4 +1,4 @@
-"""Jobs for issue 16 (exits without ``destroy_process_group``): the study's and the test's.
+"""Jobs that exit without ``destroy_process_group``: the study's and the test's.
 
 ``python tests/exits_job.py`` is the ``plain`` job of ``python -m tests.exits``,
 run under torchrun (2 ranks). Each rank joins a gloo group from torchrun's

@@ -1,4 +1,4 @@
-"""Issue 16: what memgather leaves for a process's teardown.
+"""What memgather leaves for a process's teardown.
 
 A gloo job that ends without ``destroy_process_group()`` sometimes aborts at
 exit under torch alone: a gloo worker thread that still holds a finished

@@ -416,7 +416,7 @@ def mixed_decisions_after_the_level_went_off(ctx: Any) -> Dict[str, Any]:
 
 def test_a_group_created_under_detail_is_checked_whatever_the_level_now(pools: Any) -> None:
     """torch wraps a group for DETAIL's checks when it creates it: memgather asks the group, not the
-    debug level (a review turned the level off after init: the single call met a list call, and failed)."""
+    debug level (turned off after init, the single call met a list call, and failed)."""
     if not compat.gloo_has_single_tensor():
         pytest.skip("this torch's gloo has no single-tensor call: async calls stay with torch")
     ranks = pools(2, POOL="detail", TORCH_DISTRIBUTED_DEBUG="DETAIL", **EAGER)

@@ -155,8 +155,8 @@ SAFE_AFTER_CAT = {
 
 
 @pytest.mark.parametrize("name", sorted(SAFE_AFTER_CAT))
-def test_cases_the_issue_names(pools: Any, name: str) -> None:
-    """The issue's reproductions, each pinned: identical observations, and elision where it is provable."""
+def test_the_known_reproductions(pools: Any, name: str) -> None:
+    """Reproductions of aliasing and elision hazards, each pinned: identical observations, and elision where it is provable."""
     program = {"dtype": "float32", "shape": "matrix", "ops": [("gather", "target", 1, False), *SAFE_AFTER_CAT[name]]}
     for result in _run(pools, program):
         assert not _hazard(result), result["memgather"]["sharing"]
