@@ -36,7 +36,6 @@ _original_all_gather = dist.distributed_c10d.all_gather
 PROFILER_RANGE = "memgather::all_gather"
 
 _settings = config.Settings()
-_FALLBACK = Strategy.FALLBACK  # read on every call: a module global, not an attribute of the enum class
 
 
 def configure(settings: Optional[config.Settings] = None) -> None:
@@ -110,18 +109,19 @@ def all_gather(
 
 def handle(call: Call) -> Any:
     """Carry out one bound call: plan it, agree where the plan says so, execute the plan."""
-    if compat.profiler_enabled():
-        # One range in a profile for each call memgather handles: its collectives show inside it.
-        with torch.autograd.profiler.record_function(PROFILER_RANGE):
-            return _handle(call)
-    return _handle(call)
-
-
-def _handle(call: Call) -> Any:
     elision.disarm_reused(call.tensor_list)  # slots armed by an earlier gather are plain again first
     plan = planner.plan(call)
-    if plan.strategy is _FALLBACK and not plan.agree:  # most calls: small ones, at once to torch
+    if plan.info is None:  # turned away before its group and slots were looked at: most calls, small ones
         return to_torch(plan.reason, call.args, call.kwargs)
+    if compat.profiler_enabled():
+        # One range in a profile for each call memgather planned in full: its collectives, or
+        # torch's call where it falls back, show inside it.
+        with torch.autograd.profiler.record_function(PROFILER_RANGE):
+            return _agree_and_execute(plan, call)
+    return _agree_and_execute(plan, call)
+
+
+def _agree_and_execute(plan: Plan, call: Call) -> Any:
     if plan.agree:
         gloo_route = _settings.gloo_route
         verdict = agreement.poll(_original_all_gather, call, plan, gloo_route)

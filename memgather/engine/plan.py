@@ -25,7 +25,7 @@ class Plan(NamedTuple):
     reason: Optional[Reason] = None
     route: Optional[Route] = None  # how the bytes travel; also kept by a fallback the ranks agree on
     agree: bool = False  # the ranks run the agreement round first (check mode, or a route every rank shares)
-    info: Optional[GroupInfo] = None  # the group, described; set wherever ``agree`` is
+    info: Optional[GroupInfo] = None  # the group, described: None where the call was turned away at once
     gathered: Optional[int] = None  # bytes of the slots; None unless they are a list of world tensors
     watched: bool = False  # a user's mode is active: the agreement round runs outside it
 
