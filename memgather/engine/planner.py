@@ -81,8 +81,7 @@ def plan(call: Call) -> Plan:
             with torch._C.DisableTorchFunction():
                 known, gathered = _group_and_size(call, tensor)
         else:
-            known = _on_device(call.group, tensor, None)
-            gathered = None if known is None else _gathered_bytes(call.tensor_list, known.info.world)
+            known, gathered = _group_and_size(call, tensor)
         if known is not None:
             if known.unelided is not None and not call.elide:
                 return to_torch(known.unelided)
