@@ -95,8 +95,8 @@ def treat_fake_as_legacy_nccl() -> Callable[[], None]:
         gloo_min_bytes: Optional[int] = None,
         nccl_min_bytes: Optional[int] = None,
     ) -> int:
-        if backend == "fake":
-            return world * routes.nccl_threshold(nccl_min_bytes, world)
+        if backend == "fake":  # the limit legacy NCCL's CUDA calls get, from the library's own rule
+            return gathered_limit("nccl", "cuda", "legacy", world, gloo_min_bytes, nccl_min_bytes)
         return gathered_limit(backend, device_type, nccl_flavour, world, gloo_min_bytes, nccl_min_bytes)
 
     routes.single_route, routes.gathered_limit = fake_single_route, fake_gathered_limit

@@ -39,6 +39,7 @@ class Plan(NamedTuple):
 _AT_ONCE: Dict[Reason, Plan] = {reason: Plan(Strategy.FALLBACK, reason) for reason in Reason}
 
 
-def to_torch(reason: Reason) -> Plan:
-    """The plan of a call that goes to torch's all_gather, with nothing to agree on."""
+def turned_away(reason: Reason) -> Plan:
+    """The plan of a call turned away at once: torch's all_gather takes it, with nothing to agree on
+    (``core.to_torch`` makes that call)."""
     return _AT_ONCE[reason]

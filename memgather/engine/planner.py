@@ -23,7 +23,7 @@ from torch.overrides import has_torch_function
 from memgather import compat, config
 from memgather.engine import elision, groups, routes, slots
 from memgather.engine.call import Call
-from memgather.engine.plan import Plan, to_torch
+from memgather.engine.plan import Plan, turned_away
 from memgather.engine.reasons import Reason, Strategy
 from memgather.engine.strategies import Outcome, choose, even, fill_in_slots, stage
 
@@ -50,7 +50,7 @@ class _OnDevice(NamedTuple):
 # Read without a lock; _lock keeps configure() and _learn's store apart.
 _known: Dict[Tuple[int, str], _OnDevice] = {}
 _lock = threading.Lock()
-_BELOW_THRESHOLD = to_torch(Reason.BELOW_THRESHOLD)
+_BELOW_THRESHOLD = turned_away(Reason.BELOW_THRESHOLD)
 
 
 def configure(settings: config.Settings) -> None:
@@ -84,7 +84,7 @@ def plan(call: Call) -> Plan:
             known, gathered = _group_and_size(call, tensor)
         if known is not None:
             if known.unelided is not None and not call.elide:
-                return to_torch(known.unelided)
+                return turned_away(known.unelided)
             if gathered is not None and gathered < known.limit:
                 return _BELOW_THRESHOLD
             return _plan(call, known, gathered)
@@ -107,12 +107,12 @@ def _plan(call: Call, known: Optional[_OnDevice] = None, gathered: Optional[int]
     if reason is Reason.TORCH_FUNCTION and compat.torch_function_mode_only(tensor):
         return _under_function_mode(call)
     if reason is not None:
-        return to_torch(reason)
+        return turned_away(reason)
     async_op = call.async_op
     if not (async_op is False or async_op is True or async_op is None) and compat.async_op_refused(async_op):
         # torch raises for it, where torch raises (setting up its call, or after its gather on old
         # releases): memgather must not have moved a slot first. Any other value goes by its truth.
-        return to_torch(Reason.BAD_ARGUMENTS)
+        return turned_away(Reason.BAD_ARGUMENTS)
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
     with compat.subclass_hooks_off():
         if known is None:
@@ -198,7 +198,7 @@ def _under_function_mode(call: Call) -> Plan:
         # rank's fallback is settled in the exchange, outside the mode; elsewhere torch's call
         # meets the others' single call on the wire.
         return planned._replace(strategy=Strategy.FALLBACK, reason=Reason.TORCH_FUNCTION, watched=True)
-    return to_torch(Reason.TORCH_FUNCTION)
+    return turned_away(Reason.TORCH_FUNCTION)
 
 
 def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optional[routes.Route]:
