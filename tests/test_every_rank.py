@@ -40,12 +40,12 @@ def gloo_as_nccl2(stage_refusals: bool = True) -> Iterator[None]:
     routes.single_route = lambda *args, **kwargs: None  # type: ignore[assignment]
     if not stage_refusals:
         planner.stage = lambda refused, tensor_list, tensor: refused
-    planner.configure(core._settings)  # forget what was worked out for the group
+    planner.configure(core.settings())  # forget what was worked out for the group
     try:
         yield
     finally:
         routes.elided_route, routes.choose, routes.single_route, planner.stage = saved
-        planner.configure(core._settings)
+        planner.configure(core.settings())
 
 
 class _Seen(TorchDispatchMode):

@@ -58,7 +58,7 @@ def test_the_nccl_threshold_setting_moves_it(setting: str, expected: str) -> Non
 
 
 def test_a_threshold_changed_by_a_later_patch_reaches_the_fast_path() -> None:
-    """The threshold a group's calls were found under is kept (planner._known) until the next patch()."""
+    """The threshold a group's calls were found under is kept (group_facts) until the next patch()."""
     out = run_on_fake("""
         import os
         os.environ["MEMGATHER_NCCL_MIN_BYTES"] = str(2 << 20)

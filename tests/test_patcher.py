@@ -203,13 +203,13 @@ def settings_after_patch(ctx: Any) -> dict:
     memgather.patch(["tests.sites.target_caller"], check=True)
     try:
         during = small_call()
-        during["check"] = core._settings.check
+        during["check"] = core.settings().check
     finally:
         memgather.unpatch()
         del os.environ["MEMGATHER_GLOO_MIN_BYTES"]
         core.configure()
     after = small_call()
-    return {"before": before, "during": during, "after_check": core._settings.check, "after": after}
+    return {"before": before, "during": during, "after_check": core.settings().check, "after": after}
 
 
 def test_patch_applies_what_it_is_given_to_direct_calls(pools: Any) -> None:

@@ -12,8 +12,8 @@ Three files tell the whole path, each read top to bottom:
 The rest serve them: ``strategies`` (what a rank's slots and input allow;
 ``reasons`` names the strategies and the reasons to fall back), ``routes``
 (how the bytes travel), ``cuda_memory`` (whether a CUDA slot may be released
-and rebound), ``hosts`` and ``groups`` (what is known of the ranks and the
-group), ``slots``, ``staged`` and ``pages`` (the output's memory),
+and rebound), ``hosts``, ``groups`` and ``group_facts`` (what is known of the
+ranks, the group, and what calls on it take), ``slots``, ``staged`` and ``pages`` (the output's memory),
 ``elision`` (cat / stack returning the buffer itself), ``verification``
 (verify mode), ``counters`` and ``report`` (what memgather did).
 

@@ -7,58 +7,31 @@ shares, the route (``routes``) and what this rank's slots allow on it
 (``strategies``). The plan it returns is final unless it says the ranks must
 agree: then ``agreement.settle`` alone may turn it into another. What depends
 only on the group and the device type (the threshold, the routes) is worked
-out once and kept (``_known``).
+out once and kept (``group_facts``).
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
 from memgather import compat, config
-from memgather.engine import elision, groups, routes, slots
+from memgather.engine import elision, group_facts, groups, routes, slots
 from memgather.engine.call import Call
+from memgather.engine.group_facts import GroupFacts, lookup
 from memgather.engine.plan import Plan, turned_away
 from memgather.engine.reasons import Reason, Strategy
 from memgather.engine.strategies import Outcome, choose, even, fill_in_slots, stage
 
-# (MEMGATHER_GLOO_MIN_BYTES, MEMGATHER_NCCL_MIN_BYTES); a new tuple each configure().
-_thresholds: Tuple[Optional[int], Optional[int]] = (None, None)
-
-
-class _OnDevice(NamedTuple):
-    """What calls with tensors of one device type on one group take: worked out once."""
-
-    group: Callable[[], Any]  # a weak reference to the group: tells a group freed and its id reused
-    info: groups.GroupInfo
-    limit: int  # gathered bytes under which a call goes to torch (0: none does)
-    synchronous: Optional[routes.Route]  # the route of a call at or above the limit (routes.choose)
-    single: Optional[routes.Route]  # the single-tensor route (async calls, gather()): routes.single_route
-    elided: Optional[routes.Route]  # the route of a call whose cat is elided, where it differs: routes.elided_route
-    unelided: Optional[Reason]  # why every call without elision goes to torch at once (NCCL2), if it does
-    dtypes: Optional[FrozenSet[torch.dtype]]  # what the backend's collectives take (None: any): routes.dtypes_taken
-
-
-# (id of a process group, a device type) -> what its calls take. ``plan`` asks on every call,
-# and a small one, the most frequent kind, finds here all it needs in one lookup. An entry goes
-# with its group (as groups.py's do), and all go when configure() may change the thresholds.
-# Read without a lock; _lock keeps configure() and _learn's store apart.
-_known: Dict[Tuple[int, str], _OnDevice] = {}
-_lock = threading.Lock()
 _BELOW_THRESHOLD = turned_away(Reason.BELOW_THRESHOLD)
 
 
 def configure(settings: config.Settings) -> None:
     """Take the thresholds of ``settings`` (``core.configure`` passes them on)."""
-    global _thresholds
-    with _lock:
-        _thresholds = (settings.gloo_min_bytes, settings.nccl_min_bytes)
-        _known.clear()
+    group_facts.configure(settings)
 
 
 def plan(call: Call) -> Plan:
@@ -91,16 +64,16 @@ def plan(call: Call) -> Plan:
     return _plan(call)
 
 
-def _group_and_size(call: Call, tensor: torch.Tensor) -> Tuple[Optional[_OnDevice], Optional[int]]:
+def _group_and_size(call: Call, tensor: torch.Tensor) -> Tuple[Optional[GroupFacts], Optional[int]]:
     """What the call's group takes on the input's device type (None: the group is not described
     yet; it is once a call on it was planned in full), and the slots' bytes."""
-    known = _on_device(call.group, tensor, None)
+    known = lookup(call.group, tensor, None)
     if known is None:
         return None, None
     return known, _gathered_bytes(call.tensor_list, known.info.world)
 
 
-def _plan(call: Call, known: Optional[_OnDevice] = None, gathered: Optional[int] = None) -> Plan:
+def _plan(call: Call, known: Optional[GroupFacts] = None, gathered: Optional[int] = None) -> Plan:
     """The plan in full; ``known`` and ``gathered``: what the first lines found, if they found the group."""
     tensor_list, tensor, group, elide = call.tensor_list, call.tensor, call.group, call.elide
     reason = _precondition(tensor_list, tensor, group, known is not None)
@@ -116,7 +89,7 @@ def _plan(call: Call, known: Optional[_OnDevice] = None, gathered: Optional[int]
     # Slots armed or given by elision are memgather's own to look at: its checks must not set off their hooks.
     with compat.subclass_hooks_off():
         if known is None:
-            known = _on_device(group, tensor, groups.describe(group))
+            known = lookup(group, tensor, groups.describe(group))
             assert known is not None  # given the group's description, it is worked out
             gathered = _gathered_bytes(tensor_list, known.info.world)
         info = known.info
@@ -206,7 +179,7 @@ def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optiona
     gloo or legacy NCCL group, where all_gather's preconditions hold (gather() checked the group)."""
     if type(tensor) is not torch.Tensor:
         return None  # the preconditions first
-    known = _on_device(group, tensor, groups.describe(group))
+    known = lookup(group, tensor, groups.describe(group))
     assert known is not None  # given the group's description, it is worked out
     if not out.numel() * out.element_size() < known.limit:
         return None
@@ -231,54 +204,6 @@ def _plain_input(tensor: torch.Tensor) -> bool:
         and tensor.numel() > 0
         and not (tensor.is_quantized or tensor.is_conj() or tensor.is_neg())
     )
-
-
-def _on_device(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo]) -> Optional[_OnDevice]:
-    """What calls with ``tensor``'s device type on ``group`` take; None where the group is not
-    described yet and ``info`` (its description) is not given."""
-    pg = group if group is not None else dist.GroupMember.WORLD
-    kind = "cpu" if tensor.is_cpu else ("cuda" if tensor.is_cuda else tensor.device.type)
-    known = _known.get((id(pg), kind))
-    if known is not None and known.group() is pg:
-        return known
-    info = info or groups.known(group)
-    return None if info is None else _learn(pg, info, kind)
-
-
-def _learn(pg: Any, info: groups.GroupInfo, device_type: str) -> _OnDevice:
-    """Work out what calls with tensors of ``device_type`` on ``pg`` take, and keep it."""
-    thresholds = _thresholds  # one pair for the whole entry
-    backend, device = routes.backend_on(info.backend, device_type), torch.device(device_type)
-    limit = routes.gathered_limit(backend, device_type, info.nccl, info.world, *thresholds)
-    gloo_single = compat.gloo_has_single_tensor()
-    synchronous = routes.choose(backend, device, False, gloo_single, info.nccl)
-    single = routes.single_route(backend, device, gloo_single, info.nccl)
-    elided = routes.elided_route(backend, device, info.nccl)
-    unelided = Reason.NCCL2 if elided is not None and synchronous is None and single is None else None
-    if compat.collectives_checked(pg, device):
-        # The single call meets torch's list call on the wire, but not torch's check of every
-        # rank's collectives: a rank that falls back takes the others along.
-        synchronous, single = routes.agreed(synchronous), routes.agreed(single)
-    dtypes = routes.dtypes_taken(backend, device_type)
-    key = (id(pg), device_type)
-    try:
-        reference = weakref.ref(pg, lambda ref: _forget(key, ref))
-    except TypeError:  # a group object that takes no weak reference: worked out every time
-        return _OnDevice(lambda: pg, info, limit, synchronous, single, elided, unelided, dtypes)
-    known = _OnDevice(reference, info, limit, synchronous, single, elided, unelided, dtypes)
-    with _lock:
-        # A configure() since the thresholds were read: this call goes by them, the next ones by the new.
-        if _thresholds is thresholds:
-            _known[key] = known
-    return known
-
-
-def _forget(key: Tuple[int, str], reference: Any) -> None:
-    """Drop the entry of a group just freed (its weak reference's callback; no lock: a collection
-    may run it inside _learn's). Only if the entry is still that group's."""
-    known = _known.get(key)
-    if known is not None and known.group is reference:
-        _known.pop(key, None)
 
 
 def _precondition(tensor_list: Any, tensor: Any, group: Any, described: bool = False) -> Optional[Reason]:
