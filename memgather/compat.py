@@ -468,6 +468,18 @@ def not_a_group(group: Any) -> bool:
     return not (type(group) is int and group == marker)
 
 
+def unregistered_group(group: Any) -> bool:
+    """A ProcessGroup object that torch's table of groups no longer lists: one a caller kept
+    through ``destroy_process_group()``. torch's calls still run on the object itself, but its
+    ranks can no longer be named (``get_process_group_ranks`` raises), which memgather's routes do."""
+    if group is None or not isinstance(group, dist.ProcessGroup):
+        return False
+    c10d = dist.distributed_c10d
+    world = getattr(c10d, "_world", None)
+    table = getattr(world, "pg_group_ranks", None) if world is not None else getattr(c10d, "_pg_group_ranks", None)
+    return table is not None and group not in table
+
+
 def rank_not_in_group(group: Any) -> bool:
     """torch's own test for 'this rank is not a member of ``group``'."""
     return dist.distributed_c10d._rank_not_in_group(group)

@@ -493,6 +493,45 @@ def _not_in_group(pools: Any) -> Counter:
     return _one_call(EAGER, pools, group=(1,))
 
 
+def _unregistered_group(pools: Any) -> Counter:
+    """A subgroup kept through destroy_process_group() and a new init_process_group(): torch's
+    call still runs on it, and so must a target's (check on and off, sync and async, whether
+    memgather described the group before or not); memgather cannot name its ranks any more."""
+    return Counter(_run_script(
+        """
+        import os, tempfile
+        os.environ["MEMGATHER_GLOO_MIN_BYTES"] = "0"  # every call rewired where memgather can
+        import memgather
+        def init():
+            dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        init()
+        described, fresh = dist.new_group([0]), dist.new_group([0])
+        memgather.patch(["__main__"])
+        t = torch.arange(4.0)
+        slots = [torch.empty(4)]
+        dist.all_gather(slots, t, group=described)  # described by memgather, then rewired
+        assert dict(memgather.stats().by_strategy) == {"direct": 1}, memgather.stats()
+        memgather.reset_stats()
+        dist.destroy_process_group()
+        init()
+        got = []
+        for group in (described, fresh):
+            for check in (False, True):
+                for async_op in (False, True):
+                    memgather.patch(["__main__"], check=check)
+                    slots = [torch.empty(4)]
+                    work = dist.all_gather(slots, t, group=group, async_op=async_op)
+                    if work is not None:
+                        work.wait()
+                    got.append(slots[0].tolist())
+        assert got == [t.tolist()] * 8, got
+        stats = memgather.stats()
+        assert sum(stats.fallbacks.values()) == 8, dict(stats.fallbacks)
+        print(json.dumps(dict(stats.fallbacks)))
+        """
+    ))
+
+
 def _below_threshold(pools: Any) -> Counter:
     """12 bytes per rank at the default threshold (2 MiB per rank)."""
     return _one_call({}, pools)
@@ -881,6 +920,7 @@ def _dispatch_mode(pools: Any) -> Counter:
 REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.NOT_INITIALIZED: _not_initialized,
     Reason.NOT_IN_GROUP: _not_in_group,
+    Reason.UNREGISTERED_GROUP: _unregistered_group,
     Reason.COMPILING: _compiling,
     Reason.COALESCING: _coalescing,
     Reason.GRAPH_CAPTURE: _graph_capture,

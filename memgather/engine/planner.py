@@ -236,6 +236,9 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any, described: bool = F
             return Reason.BAD_ARGUMENTS  # torch fails on it in its own way
         if compat.rank_not_in_group(group):
             return Reason.NOT_IN_GROUP
+    if compat.unregistered_group(group):
+        # Described before, perhaps: what was learned of it holds, but its ranks can no longer be named.
+        return Reason.UNREGISTERED_GROUP
     if compat.is_coalescing(group):
         return Reason.COALESCING
     if compat.single_tensor_primitive().function is None:

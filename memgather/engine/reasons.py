@@ -24,6 +24,7 @@ class Reason(str, enum.Enum):
 
     NOT_INITIALIZED = "not_initialized"  # no default process group: torch raises its own error
     NOT_IN_GROUP = "not_in_group"  # torch warns and returns None
+    UNREGISTERED_GROUP = "unregistered_group"  # a group kept through destroy_process_group(): torch's call runs on it
     COMPILING = "compiling"  # Dynamo maps all_gather to functional collectives itself
     COALESCING = "coalescing"  # inside _coalescing_manager, torch queues the op
     GRAPH_CAPTURE = "graph_capture"  # CUDA graph capture: no host sync, no allocation, no free may happen
