@@ -72,6 +72,23 @@ def test_pth_processed_twice_is_harmless(venv: Path) -> None:
     assert done.stdout.split()[-2:] == ["MemgatherWrapper", "True"]
 
 
+@pytest.mark.parametrize("imports", [
+    "import memgather; memgather.is_patched()",  # the patcher's own import brings torch in
+    "from memgather import all_gather",  # the engine's does
+    "import memgather.engine.core",
+    "import memgather.compat",
+])
+def test_memgather_imported_before_torch_patches_once_its_import_ends(venv: Path, imports: str) -> None:
+    """torch's import ends inside one of memgather's modules: the patch waits for memgather's
+    import to end instead of failing on a half-initialised module."""
+    script = f"{imports}\nimport torch.distributed as dist\nprint(type(dist.all_gather).__name__)"
+    done = subprocess.run([str(venv), "-c", script], capture_output=True, text=True, env=environment(MEMGATHER="1"),
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "could not patch" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.split()[-1:] == ["MemgatherWrapper"]
+
+
 def test_memgather_run_in_front_of_torchrun(venv: Path) -> None:
     command = [str(venv), "-m", "memgather", "run", "--targets", "mgtarget", "--report", "all", "--",
                str(venv), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "torchrun_job.py"]
