@@ -494,9 +494,10 @@ def _not_in_group(pools: Any) -> Counter:
 
 
 def _unregistered_group(pools: Any) -> Counter:
-    """A subgroup kept through destroy_process_group() and a new init_process_group(): torch's
-    call still runs on it, and so must a target's (check on and off, sync and async, whether
-    memgather described the group before or not); memgather cannot name its ranks any more."""
+    """Subgroups kept through destroy_process_group(), before and after a new init_process_group():
+    torch's call still runs on them, and so must a target's (check on and off, sync and async,
+    whether memgather described the group before or not), and memgather.gather too; memgather
+    cannot name their ranks any more."""
     return Counter(_run_script(
         """
         import os, tempfile
@@ -510,23 +511,28 @@ def _unregistered_group(pools: Any) -> Counter:
         t = torch.arange(4.0)
         slots = [torch.empty(4)]
         dist.all_gather(slots, t, group=described)  # described by memgather, then rewired
-        assert dict(memgather.stats().by_strategy) == {"direct": 1}, memgather.stats()
+        memgather.gather(t, group=described)
+        assert dict(memgather.stats().by_strategy) == {"direct": 2}, memgather.stats()
         memgather.reset_stats()
         dist.destroy_process_group()
-        init()
         got = []
-        for group in (described, fresh):
-            for check in (False, True):
-                for async_op in (False, True):
-                    memgather.patch(["__main__"], check=check)
-                    slots = [torch.empty(4)]
-                    work = dist.all_gather(slots, t, group=group, async_op=async_op)
-                    if work is not None:
-                        work.wait()
-                    got.append(slots[0].tolist())
-        assert got == [t.tolist()] * 8, got
+        def calls():
+            for group in (described, fresh):
+                for check in (False, True):
+                    for async_op in (False, True):
+                        memgather.patch(["__main__"], check=check)
+                        slots = [torch.empty(4)]
+                        work = dist.all_gather(slots, t, group=group, async_op=async_op)
+                        if work is not None:
+                            work.wait()
+                        got.append(slots[0].tolist())
+                    got.append(memgather.gather(t, group=group, check=check).tolist())
+        calls()  # no default group now
+        init()
+        calls()  # a new default group; these two are not in it
+        assert got == [t.tolist()] * 24, got
         stats = memgather.stats()
-        assert sum(stats.fallbacks.values()) == 8, dict(stats.fallbacks)
+        assert dict(stats.fallbacks) == {"unregistered_group": 24}, dict(stats.fallbacks)
         print(json.dumps(dict(stats.fallbacks)))
         """
     ))

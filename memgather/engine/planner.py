@@ -177,8 +177,8 @@ def _under_function_mode(call: Call) -> Plan:
 def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optional[routes.Route]:
     """The single-tensor route gather() takes into ``out`` at once, if any: a small gather on a
     gloo or legacy NCCL group, where all_gather's preconditions hold (gather() checked the group)."""
-    if type(tensor) is not torch.Tensor:
-        return None  # the preconditions first
+    if type(tensor) is not torch.Tensor or compat.unregistered_group(group):
+        return None  # the preconditions first; a group torch no longer lists cannot be described
     known = lookup(group, tensor, groups.describe(group))
     assert known is not None  # given the group's description, it is worked out
     if not out.numel() * out.element_size() < known.limit:
@@ -229,6 +229,10 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any, described: bool = F
         return Reason.GRAPH_CAPTURE
     if compat.functorch_wrapped(tensor, tensor_list if type(tensor_list) is list else ()):
         return Reason.FUNCTORCH
+    if compat.unregistered_group(group):
+        # Described before, perhaps: what was learned of it holds, but its ranks can no longer be
+        # named. torch's call runs on the object, with a default group or without one.
+        return Reason.UNREGISTERED_GROUP
     if not dist.is_initialized():
         return Reason.NOT_INITIALIZED
     if not described:
@@ -236,9 +240,6 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any, described: bool = F
             return Reason.BAD_ARGUMENTS  # torch fails on it in its own way
         if compat.rank_not_in_group(group):
             return Reason.NOT_IN_GROUP
-    if compat.unregistered_group(group):
-        # Described before, perhaps: what was learned of it holds, but its ranks can no longer be named.
-        return Reason.UNREGISTERED_GROUP
     if compat.is_coalescing(group):
         return Reason.COALESCING
     if compat.single_tensor_primitive().function is None:
