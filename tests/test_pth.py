@@ -6,8 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import sysconfig
+import textwrap
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, List, Optional
 
 import pytest
 
@@ -87,6 +88,77 @@ def test_memgather_imported_before_torch_patches_once_its_import_ends(venv: Path
     assert done.returncode == 0, done.stderr[-2000:]
     assert "could not patch" not in done.stderr, done.stderr[-2000:]
     assert done.stdout.split()[-1:] == ["MemgatherWrapper"]
+
+
+def _run(venv: Path, script: str, cwd: Optional[Path] = None, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(venv), *args] if args else [str(venv), "-c", script], capture_output=True, text=True,
+                          env=environment(MEMGATHER="1"), cwd=cwd, timeout=300)
+
+
+@pytest.mark.parametrize("options", [[], ["--memgather"]])
+def test_memgather_imported_before_torch_by_a_test_module_under_pytest(venv: Path, tmp_path: Path,
+                                                                        options: List[str]) -> None:
+    """pytest's finder goes in front of every other: memgather's imports by a test module, or by
+    ``--memgather``'s own patch(), must still be seen to end before the start-up patch runs."""
+    (tmp_path / "test_first.py").write_text("import memgather\nmemgather.is_patched()\n"
+                                            "import torch.distributed as dist\n\n\n"
+                                            "def test_patched():\n"
+                                            "    assert type(dist.all_gather).__name__ == 'MemgatherWrapper'\n")
+    done = _run(venv, "", tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", *options)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "could not patch" not in done.stdout + done.stderr
+
+
+def test_memgather_imported_by_two_threads_at_once_patches_after_both(venv: Path) -> None:
+    script = textwrap.dedent("""
+        import threading, time
+        def patcher(): import memgather.patching.patcher  # brings torch in
+        def compat(): import memgather.compat  # begun while the other is importing torch
+        threads = [threading.Thread(target=patcher), threading.Thread(target=compat)]
+        threads[0].start(); time.sleep(0.2); threads[1].start()
+        for thread in threads: thread.join()
+        import torch.distributed as dist
+        print(type(dist.all_gather).__name__)
+    """)
+    done = _run(venv, script)
+    assert done.returncode == 0 and "could not patch" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.split()[-1:] == ["MemgatherWrapper"]
+
+
+def test_a_reloaded_autoload_installs_nothing_twice(venv: Path) -> None:
+    script = textwrap.dedent("""
+        import importlib, sys
+        import memgather.patching.autoload as autoload
+        importlib.reload(autoload)
+        watches = sum(type(f).__name__ == "_Watch" for f in sys.meta_path)
+        import torch.distributed as dist
+        print(watches, type(dist.all_gather).__name__, sum(type(f).__name__ == "_Watch" for f in sys.meta_path))
+    """)
+    done = _run(venv, script)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == ["1", "MemgatherWrapper", "0"]  # one watch, gone once patched
+
+
+def test_a_memgather_import_that_fails_after_torch_came_in_says_so_at_once(venv: Path) -> None:
+    """As before memgather's imports were watched: the failure is logged then, and the patch does
+    not go off later at some other import."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["packaging.version"] = None  # compat imports it after torch
+        try:
+            import memgather.compat
+        except ImportError:
+            pass
+        del sys.modules["packaging.version"]
+        import torch.distributed as dist
+        before = type(dist.all_gather).__name__
+        import memgather.engine.reasons
+        print(before, type(dist.all_gather).__name__, any(type(f).__name__ == "_Watch" for f in sys.meta_path))
+    """)
+    done = _run(venv, script)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "memgather could not patch at start-up" in done.stderr
+    assert done.stdout.split()[-3:] == ["function", "function", "False"]
 
 
 def test_memgather_run_in_front_of_torchrun(venv: Path) -> None:

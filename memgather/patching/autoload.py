@@ -10,10 +10,13 @@ A script that imports memgather before torch (``import memgather;
 memgather.patch(...)`` or ``from memgather import all_gather`` at its top)
 brings torch in from inside one of memgather's own modules: when torch's
 import ends, that module is still half initialised, and the patcher, which
-needs it, cannot be imported yet. The patch then waits for the end of the
-outermost memgather import under way, which ``_Watch`` sees: until the patch
-is done it wraps the loader of each memgather module imported, to count the
-imports under way on this thread.
+needs it, cannot be imported yet. The patch then waits until no memgather
+import is under way on any thread, which ``_Watch`` sees: until the patch is
+done it wraps the loader of each memgather module imported, to count the
+imports under way. pytest puts its own finder in front of every other; the
+pytest plugin moves the watch back to the front (``watch_first``).
+
+A reload of this module runs it again: what it installs, it installs once.
 """
 
 from __future__ import annotations
@@ -28,16 +31,19 @@ from typing import Any, Optional, Sequence
 
 import wrapt
 
-_state = threading.local()  # .depth: memgather imports under way on this thread
-_waiting = False  # torch is ready, memgather's own import was not: patch once it is
+# Kept across a reload (which runs this file again in the same namespace).
+_lock: threading.Lock = globals().get("_lock") or threading.Lock()
+_depth: int = globals().get("_depth", 0)  # memgather imports under way, on every thread
+_waiting: bool = globals().get("_waiting", False)  # torch is ready, memgather's own import was not
+_started: bool = globals().get("_started", False)
 
 
 def _patch(module: ModuleType) -> None:
     global _waiting
-    if getattr(_state, "depth", 0):
-        _waiting = True
-        return
-    _waiting = False
+    with _lock:
+        _waiting = _depth > 0
+        if _waiting:
+            return
     _Watch.remove()
     try:
         from memgather.patching.patcher import patch
@@ -54,15 +60,23 @@ def _on_torch_loaded(module: ModuleType) -> None:
         wrapt.register_post_import_hook(_patch, "torch.distributed")
 
 
+def watch_first() -> None:
+    """Put the watch in front of the finders installed after it, if it is still needed."""
+    watches = [finder for finder in sys.meta_path if _is_watch(finder)]
+    if watches and sys.meta_path[0] is not watches[0]:
+        sys.meta_path.remove(watches[0])
+        sys.meta_path.insert(0, watches[0])
+
+
 class _Watch(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands each memgather module's spec on with its loader wrapped."""
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
     ) -> Optional[importlib.machinery.ModuleSpec]:
-        if not fullname.startswith("memgather."):
+        if not fullname.startswith("memgather.") or fullname == __name__:
             return None
-        for finder in sys.meta_path:
+        for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None)
             if finder is self or find is None:
                 continue
@@ -73,13 +87,18 @@ class _Watch(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
-    @classmethod
-    def install(cls) -> None:
-        sys.meta_path.insert(0, cls())
+    @staticmethod
+    def remove() -> None:
+        for finder in [finder for finder in sys.meta_path if _is_watch(finder)]:
+            try:
+                sys.meta_path.remove(finder)
+            except ValueError:  # another thread's remove() took it
+                pass
 
-    @classmethod
-    def remove(cls) -> None:
-        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, cls)]
+
+def _is_watch(finder: Any) -> bool:
+    # By name: a reload of this module makes a new _Watch class; the instance installed is the first one's.
+    return type(finder).__qualname__ == "_Watch" and type(finder).__module__ == __name__
 
 
 class _Counted(importlib.abc.Loader):
@@ -94,17 +113,23 @@ class _Counted(importlib.abc.Loader):
         return None if create is None else create(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        _state.depth = getattr(_state, "depth", 0) + 1
+        global _depth
+        with _lock:
+            _depth += 1
         try:
             self._loader.exec_module(module)
         finally:
-            _state.depth -= 1
-        if _waiting and not _state.depth:
-            _patch(module)
+            with _lock:
+                _depth -= 1
+                ready = _waiting and _depth == 0
+            if ready:  # also after an import that failed: the patch says so at once, as it would have
+                _patch(module)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
 
 
-_Watch.install()
-wrapt.register_post_import_hook(_on_torch_loaded, "torch")
+if not _started:
+    _started = True
+    sys.meta_path.insert(0, _Watch())
+    wrapt.register_post_import_hook(_on_torch_loaded, "torch")

@@ -6,6 +6,7 @@ Registered through the ``pytest11`` entry point; inert (and torch-free) unless
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -36,6 +37,11 @@ def pytest_addoption(parser: Any) -> None:
 
 
 def pytest_configure(config: Any) -> None:
+    autoload = sys.modules.get("memgather.patching.autoload")
+    if autoload is not None:
+        # MEMGATHER is set: pytest's own finder went in front of autoload's watch, which must see
+        # memgather's imports from here on (this hook's own included) to patch after them.
+        autoload.watch_first()
     if not config.getoption("memgather"):
         return
     from memgather.patching import patcher
