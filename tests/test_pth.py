@@ -95,15 +95,17 @@ def _run(venv: Path, script: str, cwd: Optional[Path] = None, *args: str) -> sub
                           env=environment(MEMGATHER="1"), cwd=cwd, timeout=300)
 
 
+@pytest.mark.parametrize("first", ["test_first.py", "conftest.py"])
 @pytest.mark.parametrize("options", [[], ["--memgather"]])
 def test_memgather_imported_before_torch_by_a_test_module_under_pytest(venv: Path, tmp_path: Path,
-                                                                        options: List[str]) -> None:
-    """pytest's finder goes in front of every other: memgather's imports by a test module, or by
-    ``--memgather``'s own patch(), must still be seen to end before the start-up patch runs."""
-    (tmp_path / "test_first.py").write_text("import memgather\nmemgather.is_patched()\n"
-                                            "import torch.distributed as dist\n\n\n"
-                                            "def test_patched():\n"
-                                            "    assert type(dist.all_gather).__name__ == 'MemgatherWrapper'\n")
+                                                                        options: List[str], first: str) -> None:
+    """pytest's finder goes in front of every other: memgather's imports by a conftest, a test
+    module, or ``--memgather``'s own patch(), must still be seen to end before the start-up patch runs."""
+    (tmp_path / first).write_text("import memgather\nmemgather.is_patched()\n")
+    (tmp_path / "test_patched.py").write_text("import memgather\nmemgather.is_patched()\n"
+                                              "import torch.distributed as dist\n\n\n"
+                                              "def test_patched():\n"
+                                              "    assert type(dist.all_gather).__name__ == 'MemgatherWrapper'\n")
     done = _run(venv, "", tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", *options)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "could not patch" not in done.stdout + done.stderr
@@ -159,6 +161,46 @@ def test_a_memgather_import_that_fails_after_torch_came_in_says_so_at_once(venv:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "memgather could not patch at start-up" in done.stderr
     assert done.stdout.split()[-3:] == ["function", "function", "False"]
+
+
+def test_a_failed_engine_import_leaves_torch_whole(venv: Path) -> None:
+    """The engine's import fails after torch came in: the patch must not import the half-run
+    module (it would install a wrapper around an engine without its functions)."""
+    script = textwrap.dedent("""
+        import sys, tempfile
+        sys.modules["memgather.engine.verification"] = None  # core imports it after torch
+        try:
+            from memgather import all_gather
+        except ImportError:
+            pass
+        del sys.modules["memgather.engine.verification"]
+        import torch, torch.distributed as dist, memgather
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        slots = [torch.empty(2)]
+        dist.all_gather(slots, torch.ones(2))
+        print(memgather.is_patched(), type(dist.all_gather).__name__, slots[0].tolist())
+    """)
+    done = subprocess.run([str(venv), "-c", script], capture_output=True, text=True, timeout=300,
+                          env=environment(MEMGATHER="1", MEMGATHER_TARGETS="__main__"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the import of memgather.engine.core failed" in done.stderr
+    assert done.stdout.split()[-4:] == ["False", "function", "[1.0,", "1.0]"]
+
+
+def test_autoload_imported_afresh_after_memgather_was_dropped_keeps_one_watch(venv: Path) -> None:
+    script = textwrap.dedent("""
+        import sys
+        for name in [n for n in sys.modules if n == "memgather" or n.startswith("memgather.")]:
+            del sys.modules[name]
+        import memgather.patching.autoload
+        watches = sum(type(f).__name__ == "_Watch" for f in sys.meta_path)
+        from memgather import all_gather
+        import torch.distributed as dist
+        print(watches, type(dist.all_gather).__name__)
+    """)
+    done = _run(venv, script)
+    assert done.returncode == 0 and "could not patch" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["1", "MemgatherWrapper"]
 
 
 def test_memgather_run_in_front_of_torchrun(venv: Path) -> None:

@@ -14,7 +14,10 @@ needs it, cannot be imported yet. The patch then waits until no memgather
 import is under way on any thread, which ``_Watch`` sees: until the patch is
 done it wraps the loader of each memgather module imported, to count the
 imports under way. pytest puts its own finder in front of every other; the
-pytest plugin moves the watch back to the front (``watch_first``).
+pytest plugin moves the watch back to the front (``watch_first``) when pytest
+loads it, before any conftest. ``patch()`` reads the engine before it installs
+anything, so one that meets a module another thread is still importing fails
+whole, as it says.
 
 A reload of this module runs it again: what it installs, it installs once.
 """
@@ -35,7 +38,10 @@ import wrapt
 _lock: threading.Lock = globals().get("_lock") or threading.Lock()
 _depth: int = globals().get("_depth", 0)  # memgather imports under way, on every thread
 _waiting: bool = globals().get("_waiting", False)  # torch is ready, memgather's own import was not
-_started: bool = globals().get("_started", False)
+# A fresh import after memgather's modules were dropped from sys.modules finds the first one's watch.
+_started: bool = globals().get("_started", False) or any(
+    type(finder).__qualname__ == "_Watch" and type(finder).__module__ == __name__ for finder in sys.meta_path
+)
 
 
 def _patch(module: ModuleType) -> None:
@@ -78,7 +84,7 @@ class _Watch(importlib.abc.MetaPathFinder):
             return None
         for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
+            if find is None or _is_watch(finder):
                 continue
             spec = find(fullname, path, target)
             if spec is not None:
@@ -113,17 +119,28 @@ class _Counted(importlib.abc.Loader):
         return None if create is None else create(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        global _depth
+        global _depth, _waiting
         with _lock:
             _depth += 1
         try:
             self._loader.exec_module(module)
-        finally:
+        except BaseException:
+            # A patch now would import the half-run module. Said at once, as before the wait.
             with _lock:
                 _depth -= 1
-                ready = _waiting and _depth == 0
-            if ready:  # also after an import that failed: the patch says so at once, as it would have
-                _patch(module)
+                failed, _waiting = _waiting and _depth == 0, _waiting and _depth > 0
+            if failed:
+                _Watch.remove()
+                logging.getLogger("memgather").error(
+                    "memgather could not patch at start-up: the import of %s failed; torch runs unpatched",
+                    module.__name__,
+                )
+            raise
+        with _lock:
+            _depth -= 1
+            ready = _waiting and _depth == 0
+        if ready:
+            _patch(module)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)

@@ -104,15 +104,9 @@ def patch(
         settings.verify if verify is None else verify,
     )
     with _lock:
-        _install()
-        _rebind_imported(selection)
-        _decisions.clear()
-        _chains.clear()
-        _active = active
-        # Spawned children read the environment at start-up, and so re-patch as this process did.
-        previous = config.export(True, selection.names, active.check, active.force, active.elide, active.verify)
-        if _exported is None:
-            _exported = (dict(previous), core.settings())
+        # The engine first, before anything is installed: one another thread is still importing
+        # (its configure() not defined yet) fails here, and leaves torch as it was.
+        before = core.settings()
         # Direct calls (memgather.all_gather) and the thresholds follow what this patch() was given.
         core.configure(
             replace(
@@ -125,6 +119,15 @@ def patch(
                 verify=active.verify,
             )
         )
+        _install()
+        _rebind_imported(selection)
+        _decisions.clear()
+        _chains.clear()
+        _active = active
+        # Spawned children read the environment at start-up, and so re-patch as this process did.
+        previous = config.export(True, selection.names, active.check, active.force, active.elide, active.verify)
+        if _exported is None:
+            _exported = (dict(previous), before)
         _hook_targets(selection)
         report.install(settings.report)
     _log.info("memgather patched all_gather for %s", ", ".join(selection.names) or "no targets")

@@ -9,6 +9,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+_autoload = sys.modules.get("memgather.patching.autoload")
+if _autoload is not None:
+    # MEMGATHER is set: pytest's own finder went in front of autoload's watch, which must see
+    # memgather's imports from here on (conftests', test modules', --memgather's) to patch after them.
+    _autoload.watch_first()
+
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("memgather", "memgather: rewire torch.distributed.all_gather")
@@ -37,11 +43,6 @@ def pytest_addoption(parser: Any) -> None:
 
 
 def pytest_configure(config: Any) -> None:
-    autoload = sys.modules.get("memgather.patching.autoload")
-    if autoload is not None:
-        # MEMGATHER is set: pytest's own finder went in front of autoload's watch, which must see
-        # memgather's imports from here on (this hook's own included) to patch after them.
-        autoload.watch_first()
     if not config.getoption("memgather"):
         return
     from memgather.patching import patcher
