@@ -325,8 +325,24 @@ def functorch_wrapped(tensor: torch.Tensor, others: Iterable[Any] = ()) -> bool:
     return False
 
 
-def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
-    """Wait (bounded) until no C++ handle but Python's holds ``tensors``.
+def holds(tensors: List[torch.Tensor]) -> Optional[List[Tuple[int, int]]]:
+    """Each tensor's storage use count and Python reference count (None where this torch cannot
+    tell, or off the CPU): read before a collective, for ``await_release`` to wait until every
+    hold the backend took is gone."""
+    if _use_count is None or not tensors or not tensors[0].is_cpu:
+        return None
+    return [(_use_count(_unhooked(t, _untyped_storage)._cdata), sys.getrefcount(t)) for t in tensors]
+
+
+def _held_more(now: Optional[List[Tuple[int, int]]], before: List[Tuple[int, int]]) -> bool:
+    return now is not None and any(n[0] > b[0] or n[1] > b[1] for n, b in zip(now, before))
+
+
+def await_release(
+    tensors: List[torch.Tensor], timeout_s: float = 5.0, before: Optional[List[Tuple[int, int]]] = None
+) -> None:
+    """Wait (bounded) until no C++ handle but Python's holds ``tensors``, nor more than ``before``
+    (``holds`` read before the collective) holds them or their storages, where given.
 
     A finished collective's work object is released by the backend's worker
     thread a moment after ``wait()`` returns. Until then it holds the output,
@@ -342,7 +358,12 @@ def await_release(tensors: List[torch.Tensor], timeout_s: float = 5.0) -> None:
         return  # gloo's worker lets go within microseconds (up to tens of ms on a loaded machine);
         # what another backend's watchdog does with finished work is not known here: the proofs decide
     deadline = None
-    while any([_tensor_use_count(t) > 1 for t in tensors]):
+    while any([_tensor_use_count(t) > 1 for t in tensors]) or (
+        # torch may also keep a Python list of a tensor it was given until its worker lets go
+        # of the work (the worker needs the GIL for that): the tensor, and so the storage, would
+        # outlive memgather's own references, and an elided cat's proof see one holder too many.
+        before is not None and _held_more(holds(tensors), before)
+    ):
         now = time.monotonic()
         deadline = deadline or now + timeout_s
         if now > deadline:
