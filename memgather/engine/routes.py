@@ -276,10 +276,10 @@ def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, asyn
     source = tensor.reshape(1) if tensor.dim() == 0 else tensor
     if route.every_rank and not source.is_contiguous():
         source = source.contiguous()  # no rank may fall back for it: NCCL reads raw memory
-    before = None if async_op else compat.holds([flat])
+    held = None if async_op else compat.holds([flat])
     work = primitive(flat, source, group=group, async_op=async_op)
     if not async_op:
-        compat.await_release([flat], before=before)
+        compat.await_release([flat], before=held)
     return work
 
 
@@ -298,7 +298,7 @@ def ring_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group: Any
     rank = groups.describe(group).rank
     world = len(destinations)
     sent = _prepare(destinations, tensor, rank)
-    before = compat.holds(sent)
+    held = compat.holds(sent)
     ranks = _global_ranks(group, world)
     after, before = ranks[(rank + 1) % world], ranks[(rank - 1) % world]
     for step in range(world - 1):
@@ -311,7 +311,7 @@ def ring_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group: Any
             dist.isend(sent[(rank - step) % world], dst=after, group=group, tag=RING_TAG),
         ]
         _wait_all(works)  # the next step sends what this one received
-    compat.await_release(sent, before=before)
+    compat.await_release(sent, before=held)
 
 
 def _prepare(destinations: List[torch.Tensor], tensor: torch.Tensor, rank: int) -> List[torch.Tensor]:
@@ -333,11 +333,11 @@ def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group
     """
     rank = groups.describe(group).rank
     sent = _prepare(destinations, tensor, rank)
-    before = compat.holds(sent)
+    held = compat.holds(sent)
     ranks = _global_ranks(group, len(destinations))
     works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(sent)]
     _wait_all(works)  # which also drops memgather's own hold on the outputs
-    compat.await_release(sent, before=before)
+    compat.await_release(sent, before=held)
 
 
 def _wait_all(works: list) -> None:
