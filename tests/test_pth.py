@@ -90,9 +90,9 @@ def test_memgather_imported_before_torch_patches_once_its_import_ends(venv: Path
     assert done.stdout.split()[-1:] == ["MemgatherWrapper"]
 
 
-def _run(venv: Path, script: str, cwd: Optional[Path] = None, *args: str) -> subprocess.CompletedProcess:
+def _run(venv: Path, script: str, cwd: Optional[Path] = None, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(venv), *args] if args else [str(venv), "-c", script], capture_output=True, text=True,
-                          env=environment(MEMGATHER="1"), cwd=cwd, timeout=300)
+                          env=environment(MEMGATHER="1", **env), cwd=cwd, timeout=300)
 
 
 @pytest.mark.parametrize("first", ["test_first.py", "conftest.py"])
@@ -180,8 +180,7 @@ def test_a_failed_engine_import_leaves_torch_whole(venv: Path) -> None:
         dist.all_gather(slots, torch.ones(2))
         print(memgather.is_patched(), type(dist.all_gather).__name__, slots[0].tolist())
     """)
-    done = subprocess.run([str(venv), "-c", script], capture_output=True, text=True, timeout=300,
-                          env=environment(MEMGATHER="1", MEMGATHER_TARGETS="__main__"))
+    done = _run(venv, script, MEMGATHER_TARGETS="__main__")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "the import of memgather.engine.core failed" in done.stderr
     assert done.stdout.split()[-4:] == ["False", "function", "[1.0,", "1.0]"]

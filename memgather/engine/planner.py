@@ -177,13 +177,15 @@ def _under_function_mode(call: Call) -> Plan:
 def small_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Optional[routes.Route]:
     """The single-tensor route gather() takes into ``out`` at once, if any: a small gather on a
     gloo or legacy NCCL group, where all_gather's preconditions hold (gather() checked the group)."""
-    if type(tensor) is not torch.Tensor or compat.unregistered_group(group):
-        return None  # the preconditions first; a group torch no longer lists cannot be described
+    if type(tensor) is not torch.Tensor:
+        return None
+    # Before the group is described: a group torch no longer lists cannot be. Coalescing, graph
+    # capture, a transform...: as all_gather.
+    if _precondition([], tensor, group) is not None:
+        return None
     known = lookup(group, tensor, groups.describe(group))
     assert known is not None  # given the group's description, it is worked out
     if not out.numel() * out.element_size() < known.limit:
-        return None
-    if _precondition([], tensor, group) is not None:  # coalescing, graph capture, a transform...: as all_gather
         return None
     route = known.single
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
