@@ -3,6 +3,7 @@
 Run from the repository root on a machine with one CUDA GPU and torch installed:
 
     python benchmarks/gpu_check.py [--wheels DIR] [--out gpu_check.json]
+    python benchmarks/gpu_check.py --sweep [--sizes 1,4,16,64,256,784] [--out gpu_sweep.json]
 
 Steps, each bounded in time, each recorded in one JSON summary whatever happens:
 
@@ -13,7 +14,17 @@ Steps, each bounded in time, each recorded in one JSON summary whatever happens:
    job unpatched (accelerate 0.23.0 from ``--wheels DIR`` when the installed one is another);
 4. ``tests/test_cuda.py`` and the CUDA fallback tests of ``tests/test_fallbacks.py``;
 5. two ranks on the one GPU, each with its own ``NCCL_HOSTID``, fresh slots gathered
-   under memgather against torch (skipped where NCCL refuses two ranks on one device).
+   under memgather against torch (skipped where NCCL refuses two ranks on one device);
+6. the crossover sweep (``--sweep`` runs it alone): on legacy NCCL, world 1, for 1 / 4 /
+   16 / 64 / 256 / 784 MiB per rank, torch's list ``all_gather`` against
+   ``memgather.all_gather`` (every call rewired: ``MEMGATHER_NCCL_MIN_BYTES=0``), for
+   fresh slots + ``torch.cat`` (memgather's cat elided) and for a kept list, each
+   without and with a ``.cpu()`` right after the gather (of the result's first element:
+   the host waits for the gather, as a loop that reads its result back each step does,
+   without a device-to-host copy that would dwarf the difference); the median time per
+   call, the ``max_memory_allocated`` / ``max_memory_reserved`` growth of one call, and
+   per case the crossover: the size from which memgather's call is no slower than
+   torch's. It calibrates the NCCL threshold (docs/cuda.md, "The NCCL threshold").
 
 memgather runs from this checkout (``PYTHONPATH``); ``MEMGATHER=1`` reaches the jobs
 through a site directory holding this checkout's ``memgather.pth``.
@@ -26,12 +37,13 @@ import glob
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -225,11 +237,217 @@ def two_ranks_step() -> Dict[str, Any]:
     return {"step": "two ranks on one GPU", "status": "passed" if ok else "failed: results differ", "ranks": rows}
 
 
+# The crossover sweep: sizes per rank (MiB), the caller patterns, the measured calls.
+SWEEP_SIZES_MIB = (1, 4, 16, 64, 256, 784)
+SWEEP_PATTERNS = ("cat", "list")  # fresh slots + torch.cat (memgather's cat elided); fresh slots kept as a list
+SWEEP_SYNCS = (False, True)  # without and with a .cpu() right after the gather
+SWEEP_CALLS = 20  # calls per timed run
+SWEEP_ROUNDS = 7  # timed runs per implementation, torch's and memgather's taking turns
+SWEEP_TIMEOUT_S = 150
+
+
+def parse_sizes(text: str) -> List[int]:
+    """Sizes per rank in MiB from '1,4,16': each a positive whole number."""
+    sizes = [int(part) for part in text.split(",") if part.strip()]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"sizes in MiB must be whole numbers of 1 or more: {text!r}")
+    return sorted(set(sizes))
+
+
+def crossover(rows: List[Dict[str, Any]], pattern: str, sync: bool) -> Optional[int]:
+    """The smallest size (MiB per rank) from which memgather's median time per call is at most
+    torch's at that size and every larger one, for ``pattern`` with or without the sync; None
+    where it is not so at the largest size."""
+    timed = sorted(
+        (row["mib"], row["memgather_us"] <= row["torch_us"])
+        for row in rows
+        if row["pattern"] == pattern and row["sync"] == sync and row.get("torch_us") is not None
+    )
+    found: Optional[int] = None
+    for mib, no_slower in reversed(timed):
+        if not no_slower:
+            break
+        found = mib
+    return found
+
+
+def sweep_table(rows: List[Dict[str, Any]]) -> List[str]:
+    """The sweep's rows as text, then one line per case with its crossover."""
+    lines = [
+        f"{'pattern':<8} {'sync':<5} {'MiB':>5} {'torch us':>10} {'memgather us':>13} {'ratio':>6} "
+        f"{'alloc torch':>12} {'alloc mg':>9} {'resv torch':>11} {'resv mg':>8} {'equal':>6}"
+    ]
+    for row in rows:
+        ratio = row["memgather_us"] / row["torch_us"] if row["torch_us"] else float("nan")
+        lines.append(
+            f"{row['pattern']:<8} {'cpu()' if row['sync'] else '-':<5} {row['mib']:>5} {row['torch_us']:>10.1f} "
+            f"{row['memgather_us']:>13.1f} {ratio:>6.2f} {_mib(row['torch_allocated']):>12} "
+            f"{_mib(row['memgather_allocated']):>9} {_mib(row['torch_reserved']):>11} "
+            f"{_mib(row['memgather_reserved']):>8} {'yes' if row['equal'] else 'NO':>6}"
+        )
+    for pattern in SWEEP_PATTERNS:
+        for sync in SWEEP_SYNCS:
+            if any(row["pattern"] == pattern and row["sync"] == sync for row in rows):
+                found = crossover(rows, pattern, sync)
+                where = f"from {found} MiB per rank" if found is not None else "not within the sizes swept"
+                lines.append(f"crossover, {pattern}, {'.cpu() after each gather' if sync else 'no sync'}: {where}")
+    return lines
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.0f}M"
+
+
+def sweep(sizes_mib: List[int], calls: int = SWEEP_CALLS, rounds: int = SWEEP_ROUNDS) -> Dict[str, Any]:
+    """The crossover sweep on legacy NCCL, world 1, in this process; one summary step."""
+    os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"  # every memgather call rewired
+    os.environ["TORCH_DIST_USE_NCCL2"] = "0"  # read when torch.distributed is imported: the legacy group
+    import torch
+    import torch.distributed as dist
+
+    import memgather
+    from memgather import compat
+    from memgather.engine import core, routes
+
+    core.configure()  # the settings just set, should memgather have been imported before
+    step: Dict[str, Any] = {"step": "crossover sweep (legacy NCCL, world 1)"}
+    if not torch.cuda.is_available():
+        return {**step, "status": "skipped: no CUDA device"}
+    torch.cuda.set_device(0)
+    store = tempfile.mktemp(prefix="memgather-sweep-store-")
+    dist.init_process_group("nccl", init_method="file://" + store, rank=0, world_size=1)
+    flavour = compat.nccl_flavour(dist.group.WORLD)
+    step.update(
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name(0),
+        flavour=flavour,
+        rule_threshold_mib=routes.nccl_threshold(None, 1) >> 20,
+        rule_hbm_bytes_per_ns=routes.NCCL_HBM_BYTES_PER_NS,
+        calls=calls,
+        rounds=rounds,
+    )
+    if flavour != "legacy":
+        dist.destroy_process_group()
+        return {**step, "status": f"failed: the group is {flavour}, not legacy NCCL (TORCH_DIST_USE_NCCL2=0)"}
+
+    def call(gather: Any, pattern: str, sync: bool, tensor: torch.Tensor) -> torch.Tensor:
+        """One gather as ``pattern`` makes it; the result (the cat's, or the kept list's one slot)."""
+        slots = [torch.empty_like(tensor)]
+        if gather is memgather.all_gather:
+            gather(slots, tensor, elide=pattern == "cat")
+        else:
+            gather(slots, tensor)
+        result = torch.cat(slots) if pattern == "cat" else slots[0]
+        if sync:
+            result[:1].cpu()  # the host waits for the gather, as reading any of its result back does
+        return result
+
+    def timed(gather: Any, pattern: str, sync: bool, tensor: torch.Tensor) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(calls):
+            call(gather, pattern, sync, tensor)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - started) / calls * 1e6
+
+    def peaks(gather: Any, pattern: str, tensor: torch.Tensor) -> Tuple[int, int, torch.Tensor]:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        result = call(gather, pattern, False, tensor)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - allocated, torch.cuda.max_memory_reserved() - reserved, result
+
+    rows: List[Dict[str, Any]] = []
+    warm = torch.ones(1024, device="cuda")
+    for gather in (dist.all_gather, memgather.all_gather):
+        call(gather, "cat", True, warm)  # NCCL's communicator and memgather's first-call work, outside the figures
+    for mib in sizes_mib:
+        tensor = torch.arange((mib << 20) // 4, dtype=torch.float32, device="cuda")
+        for pattern in SWEEP_PATTERNS:
+            rewired_before = memgather.stats().rewired
+            torch_alloc, torch_resv, want = peaks(dist.all_gather, pattern, tensor)
+            ours_alloc, ours_resv, got = peaks(memgather.all_gather, pattern, tensor)
+            equal = bool(torch.equal(got, want))
+            rewired = memgather.stats().rewired > rewired_before
+            del want, got
+            for sync in SWEEP_SYNCS:
+                times: Dict[str, List[float]] = {"torch": [], "memgather": []}
+                for turn in range(rounds):
+                    order = (("torch", dist.all_gather), ("memgather", memgather.all_gather))
+                    for name, gather in order if turn % 2 == 0 else order[::-1]:
+                        times[name].append(timed(gather, pattern, sync, tensor))
+                rows.append(
+                    {
+                        "pattern": pattern,
+                        "sync": sync,
+                        "mib": mib,
+                        "torch_us": statistics.median(times["torch"]),
+                        "memgather_us": statistics.median(times["memgather"]),
+                        "torch_allocated": torch_alloc,
+                        "memgather_allocated": ours_alloc,
+                        "torch_reserved": torch_resv,
+                        "memgather_reserved": ours_resv,
+                        "equal": equal,
+                        "rewired": rewired,
+                    }
+                )
+        del tensor
+        torch.cuda.empty_cache()
+    stats = memgather.stats()
+    dist.destroy_process_group()
+    step["rows"] = rows
+    step["crossover_mib"] = {
+        f"{pattern}, {'cpu()' if sync else 'no sync'}": crossover(rows, pattern, sync)
+        for pattern in SWEEP_PATTERNS
+        for sync in SWEEP_SYNCS
+    }
+    step["memgather"] = {"strategies": dict(stats.by_strategy), "fallbacks": dict(stats.fallbacks)}
+    print("\n".join(sweep_table(rows)), flush=True)
+    bad = [row for row in rows if not row["equal"] or not row["rewired"]]
+    step["status"] = "passed" if not bad else "failed: a result differed from torch's or a call was not rewired"
+    return step
+
+
+def sweep_step() -> Dict[str, Any]:
+    """The sweep in a process of its own (its NCCL group, its settings), bounded in time."""
+    out = os.path.join(tempfile.mkdtemp(prefix="sweep-"), "sweep.json")
+    env = _env(MEMGATHER_NCCL_MIN_BYTES="0", TORCH_DIST_USE_NCCL2="0")
+    row = _step(
+        "crossover sweep (legacy NCCL, world 1)",
+        [sys.executable, __file__, "--sweep", "--out", out],
+        SWEEP_TIMEOUT_S,
+        env,
+    )
+    if os.path.exists(out):
+        with open(out) as summary:
+            steps = json.load(summary).get("steps", [])
+        if steps:
+            passed = row["status"] == "passed"  # else the process's own failure or timeout stands
+            row.update({key: value for key, value in steps[0].items() if key != "step" and (passed or key != "status")})
+    return row
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wheels", help="a directory of wheels to take accelerate 0.23.0 from")
-    parser.add_argument("--out", default="gpu_check.json", help="the summary (default gpu_check.json)")
+    parser.add_argument("--out", help="the summary (default gpu_check.json, with --sweep gpu_sweep.json)")
+    parser.add_argument("--sweep", action="store_true", help="run only the crossover sweep (step 6)")
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=list(SWEEP_SIZES_MIB),
+        help="the sweep's sizes per rank, in MiB (default %(default)s)",
+    )
     args = parser.parse_args(argv)
+    out = args.out or ("gpu_sweep.json" if args.sweep else "gpu_check.json")
+    if args.sweep:
+        step = sweep(args.sizes)
+        with open(out, "w") as summary_file:
+            json.dump({"steps": [step]}, summary_file, indent=2)
+        print(f"gpu_check: sweep: {step['status']}; summary in {out}")
+        return 0 if step["status"] == "passed" or step["status"].startswith("skipped") else 1
     import torch
 
     summary: Dict[str, Any] = {
@@ -290,9 +508,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
         )
         summary["steps"].append(two_ranks_step())
-    with open(args.out, "w") as out:
-        json.dump(summary, out, indent=2)
-    print(f"gpu_check: summary in {args.out}")
+        summary["steps"].append(sweep_step())
+    with open(out, "w") as summary_file:
+        json.dump(summary, summary_file, indent=2)
+    print(f"gpu_check: summary in {out}")
     return (
         0 if all(step["status"] == "passed" or step["status"].startswith("skipped") for step in summary["steps"]) else 1
     )

@@ -14,7 +14,7 @@
 - ``MEMGATHER_GLOO_MIN_BYTES`` (bytes per rank): gloo calls below this are left
   to torch (default 2 MiB; 0 rewires all).
 - ``MEMGATHER_NCCL_MIN_BYTES`` (bytes per rank): NCCL calls below this are left
-  to torch (default 864 MB at 2 ranks, 206 MB at 8: engine/routes.py; 0 rewires all).
+  to torch (default 72 MiB at 2 ranks, 30 MiB at 8: engine/routes.py; 0 rewires all).
 - ``MEMGATHER_GLOO_ROUTE`` (``auto``, ``broadcast``, ``ring``): the in-place route
   of large gloo calls (auto: the ring where the group spans hosts).
 - ``MEMGATHER_HUGE_PAGES`` (boolean, default on): huge-page advice on large CPU

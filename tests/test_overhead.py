@@ -37,7 +37,7 @@ def test_a_small_call_on_a_known_group_is_settled_by_the_first_lines_of_the_plan
 
 
 def test_the_default_nccl_threshold_keeps_a_64_mib_call_of_two_ranks_with_torch() -> None:
-    """The fake backend, given legacy NCCL's threshold: 864 MB per rank at 2 ranks (memgather.engine.routes)."""
+    """The fake backend, given legacy NCCL's threshold: 72 MiB per rank at 2 ranks (memgather.engine.routes)."""
     out = run_on_fake("""
         memgather.patch(["user_code"])
         user["call"](64 << 20)

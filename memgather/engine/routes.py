@@ -31,27 +31,47 @@ does the list call, so rewiring would save nothing and only add its own
 microseconds (``MEMGATHER_GLOO_MIN_BYTES`` moves the threshold; 0 rewires
 every gloo call).
 
-NCCL threshold. On CUDA (both NCCL flavours) the default keeps memgather's own
-time under 5 % of the collective's. memgather's Python per rewired call is about
-90 us above torch's call at 2 ranks (the largest of the rewired rows
-``python benchmarks/overhead.py`` prints, rounded up) and grows with the ranks, one slot each:
-``python benchmarks/overhead_by_world.py`` fits 26.5 us + 4.77 us per rank on torch's
-no-op fake backend, and CUDA adds per slot the allocator facts and a ``record_stream``,
-so the rule takes 90 us + 10 us per rank beyond 2. An all-gather of t bytes per
-rank over w ranks moves t x (w - 1) bytes through each rank's link, taking
-t x (w - 1) / B at a bus bandwidth B; the overhead at most 5 % of that gives
-t >= 20 x overhead x B / (w - 1). B is 480 GB/s, the largest nccl-tests
-``busbw`` published for a current node (8 x H100 SXM over NVLink 4, 460 to 480
-GB/s); across hosts over InfiniBand (400 Gbit/s NDR, about 48 GB/s per GPU) the
-collective takes ten times longer. So the default is 864 MB per rank at 2 ranks
-(a world of 1 counts as 2), 206 MB at 8, 108 MB at 64. The rule credits
-memgather with nothing it saves (legacy NCCL's copy out of its temporary, or the
-elided ``torch.cat``: each a device copy of the gathered size) and ignores that
-the CPU usually runs ahead of the GPU, so it errs towards leaving calls to
-torch. Memory-bound jobs lower it with ``MEMGATHER_NCCL_MIN_BYTES`` (0 rewires
-every call). Every input is the same on every rank, so the ranks agree; on
-legacy NCCL both kinds of call run the same ncclAllGather anyway, so ranks set
-differently still meet.
+NCCL threshold. On CUDA (both NCCL flavours) a call is rewired where the GPU
+work it removes covers memgather's own CPU time, even in the case where that
+time shows in full. The CPU time: about 90 us per rewired call above torch's at
+2 ranks (the largest of the rewired rows ``python benchmarks/overhead.py``
+prints, rounded up), growing by one slot per rank (``python
+benchmarks/overhead_by_world.py`` fits 26.5 us + 4.77 us per rank on torch's
+no-op fake backend; CUDA adds per slot the allocator's facts and a
+``record_stream``), so overhead(w) = 90 us + 10 us per rank beyond 2. Where it
+shows: a CUDA call only queues work, so while the CPU runs ahead of the GPU,
+memgather's time overlaps work already queued and costs nothing; it shows where
+the GPU waits for the host, above all in a loop that synchronises after every
+gather (``.cpu()``, ``.item()``, a metric computed on the host): the GPU then
+idles through each call's Python, and the removed copy must pay for it. The GPU
+work removed: every rewired call saves at least one device copy of the gathered
+size N = w x t (legacy NCCL: the copy of N out of torch's temporary into the
+slots, and the cat's too where it is elided; ProcessGroupNCCL2, where only
+elided calls are rewired: the cat's copy of N). A copy of N reads and writes N,
+2N bytes at the memory bandwidth H; H is 3.35 TB/s, the HBM3 peak NVIDIA
+publishes for the H100 SXM (a copy reaches less than the peak, so the credit
+errs low there). So the default is the smallest per-rank size with 2 x w x t /
+H >= overhead(w), rounded up to a whole MiB:
+
+    t >= overhead(w) x H / (2 x w)
+
+72 MiB per rank at 2 ranks, 44 at 4, 30 at 8, 23 at 16, 18 at 64 (144 at 1,
+where N = t). From there on a call is not slower than torch's on memory no
+faster than the H100's, even when the program synchronises after it, and it
+saves N bytes of GPU memory (the temporary, or the cat's result). Faster memory
+makes the removed copy shorter: on the H200 (4.8 TB/s) or the B200 (8 TB/s) the
+never-slower size at 2 ranks is 103 or 172 MiB (105 at 4 ranks on the B200),
+which would leave an evaluation step's logits (4 x 192 x 32000 float32, 93.75
+MiB per rank) with torch; the H100 figure is the floor that rewires them. On
+those GPUs, at 2 ranks, a call between the two sizes can take longer than torch's
+where the program synchronises after each gather: by up to 27 (H200) or 52 us
+(B200) at the threshold, 8 or 41 us at the logits' size.
+``benchmarks/gpu_check.py --sweep`` measures the crossover on the GPU it runs
+on. Across hosts the collective only takes longer, which changes neither side
+of the rule. Memory-bound jobs lower it with ``MEMGATHER_NCCL_MIN_BYTES`` (0
+rewires every call). Every input is the same on every rank, so the ranks agree;
+on legacy NCCL both kinds of call run the same ncclAllGather anyway, so ranks
+set differently still meet.
 
 ProcessGroupNCCL2 fills a list's slots itself with one ncclBroadcast per rank
 (no temporary), and its single-tensor call is an ncclAllGather: the two never
@@ -77,12 +97,13 @@ from memgather import compat
 from memgather.engine import groups, pages, slots
 
 BROADCAST_MIN_BYTES_PER_RANK = 2 << 20
-# The NCCL threshold's rule (see "NCCL threshold" above), in integers: per rank,
-# OVERHEAD_SHARE_INVERSE x overhead(w) x BUS_BYTES_PER_NS / (w - 1).
-NCCL_OVERHEAD_NS = 90_000  # memgather's own time per rewired call at 2 ranks
-NCCL_OVERHEAD_PER_RANK_NS = 10_000  # and for each rank beyond 2
-NCCL_BUS_BYTES_PER_NS = 480  # 480 GB/s
-NCCL_OVERHEAD_SHARE_INVERSE = 20  # at most 1/20 = 5 % of the collective's time
+# The NCCL threshold's rule (see "NCCL threshold" above), in integers: per rank, the smallest
+# t with 2 x world x t / NCCL_HBM_BYTES_PER_NS >= overhead(world), rounded up to NCCL_THRESHOLD_STEP.
+NCCL_OVERHEAD_NS = 90_000  # memgather's own CPU time per rewired call at 2 ranks (benchmarks/overhead.py)
+NCCL_OVERHEAD_PER_RANK_NS = 10_000  # and for each rank beyond 2 (benchmarks/overhead_by_world.py, plus CUDA's)
+NCCL_HBM_BYTES_PER_NS = 3_350  # 3.35 TB/s: the H100 SXM's HBM3 peak, from NVIDIA's H100 datasheet
+NCCL_COPY_PASSES = 2  # a device copy of N bytes reads N and writes N
+NCCL_THRESHOLD_STEP = 1 << 20  # the default is rounded up to a whole MiB
 
 
 @dataclass(frozen=True)
@@ -163,12 +184,15 @@ def gloo_threshold(setting: Optional[int]) -> int:
 
 def nccl_threshold(setting: Optional[int], world: int) -> int:
     """Bytes per rank from which NCCL calls on CUDA are rewired: the setting, else the default
-    for ``world`` ranks (see "NCCL threshold" above)."""
+    for ``world`` ranks, the same on both flavours (see "NCCL threshold" above): the smallest
+    size whose removed copy of the gathered bytes takes the GPU at least memgather's own time."""
     if setting is not None:
         return setting
+    world = max(world, 1)
     overhead_ns = NCCL_OVERHEAD_NS + NCCL_OVERHEAD_PER_RANK_NS * max(world - 2, 0)
-    budget = NCCL_OVERHEAD_SHARE_INVERSE * overhead_ns * NCCL_BUS_BYTES_PER_NS
-    return -(-budget // max(world - 1, 1))  # rounded up
+    copied_per_rank_byte = NCCL_COPY_PASSES * world  # a rank's t bytes: N = world x t, read and written
+    steps = -(-overhead_ns * NCCL_HBM_BYTES_PER_NS // (copied_per_rank_byte * NCCL_THRESHOLD_STEP))
+    return steps * NCCL_THRESHOLD_STEP  # rounded up
 
 
 def gathered_limit(

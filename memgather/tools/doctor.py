@@ -98,7 +98,7 @@ def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
     setting = os.environ.get("TORCH_DIST_USE_NCCL2")
     if nccl_min_bytes is None:
         sizes = ", ".join(
-            f"{routes.nccl_threshold(None, world) / 1e6:.0f} MB per rank at {world} ranks" for world in (2, 8, 64)
+            f"{_size(routes.nccl_threshold(None, world))} per rank at {world} ranks" for world in (2, 8, 64)
         )
         threshold = f"Calls under {sizes} stay with torch (MEMGATHER_NCCL_MIN_BYTES). "
     elif nccl_min_bytes == 0:

@@ -27,9 +27,10 @@ from memgather.tools import bench, patterns, rss
 # Per rank. Below gloo's 2 MiB threshold a call goes to torch: the first size shows that path.
 CPU_SIZES = (64 << 10, 4 << 20, 32 << 20)
 CUDA_SIZES = (64 << 10, 4 << 20, 64 << 20)
-# NCCL's default threshold (hundreds of MB per rank: memgather.engine.routes) would leave every
-# CUDA size to torch: unless MEMGATHER_NCCL_MIN_BYTES is set, the test takes this one, so that the
-# first size shows the path to torch and the others the rewired one.
+# NCCL's default threshold (tens of MiB per rank: memgather.engine.routes) would leave most CUDA
+# sizes to torch, and which ones would depend on the world size: unless MEMGATHER_NCCL_MIN_BYTES is
+# set, the test takes this one, so that the first size shows the path to torch and the others the
+# rewired one.
 CUDA_TEST_THRESHOLD = 1 << 20
 # A peak above torch's by more than this share and this many bytes is flagged in its row.
 _WORSE_SHARE, _WORSE_BYTES = 0.05, 1 << 20
