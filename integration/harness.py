@@ -115,3 +115,15 @@ def memory_growth(library: str, tmp: Path, mib: int, path: Optional[str] = None,
         assert all(rank["correct"] for rank in results), results
         assert sorted({piece for rank in results for piece in rank["checked"]}) == list(range(len(results))), results
     return list(zip(theirs, ours))
+
+
+def proof_verdicts(top: str) -> Dict[str, Any]:
+    """The elision proof's verdict on every all_gather call site of the installed package ``top``
+    (read from its files, as ``memgather doctor`` lists them), keyed ``module:qualname``."""
+    from memgather.patching import callsites
+
+    found, note = callsites.of_package(top)
+    assert not note, note
+    for site in found:  # shown with -s, and in a failure's captured output
+        print(f"{site.name} ({site.role}): {'proven' if site.verdict.proven else 'not proven'}: {site.verdict.reason}")
+    return {f"{site.module}:{site.qualname}": site.verdict for site in found}

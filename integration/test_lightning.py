@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from integration.harness import compare, memory_growth
+from integration.harness import compare, memory_growth, proof_verdicts
 
 # Per rank, where the job's (integration/job_lightning.py) all_gather calls come from; "big" is
 # above gloo's 2 MiB rewiring threshold (3 MiB of float32 per rank), the rest are small.
@@ -75,8 +75,9 @@ def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
     # which has no distribution of its own: its version is pytorch-lightning's) or torchmetrics.
     # The calls through torch.distributed.nn.functional.all_gather are attributed to the code that
     # applied the Function (_all_gather_ddp_if_available), past Function.apply (Python code on torch
-    # 2.13). With MEMGATHER=1 the big calls are rewired: _all_gather_ddp_if_available is an audited
-    # site (fresh slots, torch.stack, list dropped), so its calls are rebound and the stack returns
+    # 2.13). With MEMGATHER=1 the big calls are rewired: _all_gather_ddp_if_available's code is
+    # proven to drop what the Function returned after torch.stack (and torch.distributed.nn's forward
+    # to hand its fresh slots on whole), so its calls are rebound and the stack returns
     # memgather's buffer, except where the slots leave the Function with history (sync_grads=True:
     # elision steps aside and torch.stack copies). TorchCollective's (the caller's own list) and
     # torchmetrics' (a list it keeps) are filled in place. The small ones are left to torch.
@@ -110,3 +111,11 @@ def test_peak_memory_of_a_gather(tmp_path: Path) -> None:
         # Measured here: torch 2.00 x the gathered size, memgather 1.002 x (ratio 0.501).
         assert theirs["growth"] >= 1.9 * theirs["gathered"]
         assert mine["growth"] <= 1.05 * mine["gathered"] and ratio <= 0.55
+
+
+def test_the_proof_accepts_the_installed_all_gather_ddp_if_available() -> None:
+    """Both namespaces' copies, and torch.distributed.nn's forward, are proven from their installed code."""
+    for top, module in (("lightning", "lightning.fabric"), ("lightning_fabric", "lightning_fabric")):
+        assert proof_verdicts(top)[f"{module}.utilities.distributed:_all_gather_ddp_if_available"].proven, top
+    forward = proof_verdicts("torch.distributed.nn.functional")
+    assert forward["torch.distributed.nn.functional:_AllGather.forward"].proven

@@ -24,7 +24,8 @@ CALLS, BIG_CALLS = 15, 7
 def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
     runs = compare("pytorch_metric_learning", tmp_path, modes={
         # As a user would switch it on: the embeddings are rewired, the small gathers stay with
-        # torch; elision is off (no audited call site), so the slots are filled where they lie.
+        # torch; elision is off (its own rank's slot is popped before the cat: not proven), so the
+        # slots are filled where they lie.
         "memgather": {**ON, **TARGET},
         # Issue 12, item 5: every call rewired and cat elision forced on. This raised "A view
         # was created in no_grad mode and is being modified inplace with grad mode" before

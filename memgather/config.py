@@ -9,8 +9,8 @@
   outside the tested range.
 - ``MEMGATHER_VERIFY`` (boolean): check every rewired call against the original
   all_gather (test runs).
-- ``MEMGATHER_ELIDE`` (unset, boolean): cat elision; unset: audited targets only,
-  1: every rewired call, 0: never.
+- ``MEMGATHER_ELIDE`` (unset, boolean): cat elision; unset: at call sites whose
+  code is proven to drop the list after one cat, 1: every rewired call, 0: never.
 - ``MEMGATHER_GLOO_MIN_BYTES`` (bytes per rank): gloo calls below this are left
   to torch (default 2 MiB; 0 rewires all).
 - ``MEMGATHER_NCCL_MIN_BYTES`` (bytes per rank): NCCL calls below this are left

@@ -88,8 +88,7 @@ def run_on_fake(body: str, env: Optional[Dict[str, str]] = None) -> str:
 def forget_verdicts() -> None:
     """Drop every version verdict memgather cached, and the installed metadata it read: for tests
     that install and remove releases in the middle of a run (the library reads them once)."""
-    from memgather.patching import audits, releases, targets
+    from memgather.patching import releases, targets
 
     targets._gate.cache_clear()
-    audits._covers.cache_clear()
     releases._shipped_by.cache_clear()

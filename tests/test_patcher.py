@@ -19,7 +19,7 @@ from memgather import compat
 from memgather.patching import patcher
 from tests.conftest import EAGER, unwrap
 from tests.ranks import filled
-from tests.sites.audited_calls import elided_sites
+from tests.sites.elision_settings import elided_sites
 
 ORIGINAL = dist.distributed_c10d.all_gather
 # all_gather_object gathers sizes, then bytes: through distributed_c10d.all_gather up to
@@ -147,40 +147,24 @@ def test_targets_argument_must_be_a_list() -> None:
     assert not memgather.is_patched()
 
 
-def _releases(directory: Any, **versions: str) -> str:
-    """A site directory holding real .dist-info metadata of these releases."""
-    directory.mkdir()
-    for name, version in versions.items():
-        info = directory / f"{name}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    return str(directory)
-
-
-SITES = ("audited", "same_name_elsewhere", "other_function", "audited_transformers", "other_transformers",
-         "user_target")
-AUDITED = {"audited", "audited_transformers"}
 # (patch(elide=...), MEMGATHER_ELIDE): the user's setting, where there is one, wins both ways.
 SETTINGS = {"unset": (None, None), "patch-on": (True, None), "env-on": (None, "1"), "patch-off": (False, None),
             "env-off": (None, "0"), "patch-off-over-env-on": (False, "1")}
 
 
 @pytest.mark.skipif(not compat.can_prove_exclusive(), reason="no storage use count: no rebind, nothing to elide")
-@pytest.mark.parametrize("release", ["read", "later"])
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_elision_defaults_to_audited_call_sites(pools: Any, tmp_path: Any, release: str, setting: str) -> None:
-    """Stand-ins for accelerate's and transformers' modules, real frames and real metadata: by default
-    only the audited functions elide, and only in a release the audit read (accelerate 1.15.0 and
-    transformers 5.24.0; 1.16.0 and 5.25.0 are later, still inside the targets' version gates)."""
-    versions = {"read": {"accelerate": "1.15.0", "transformers": "5.24.0"},
-                "later": {"accelerate": "1.16.0", "transformers": "5.25.0"}}[release]
+def test_elision_defaults_to_what_the_call_site_proves(pools: Any, setting: str) -> None:
+    """Unset, the code decides: MoCo's helper is elided, a function that reads a slot after scaling the
+    cat's result in place is not, and gets torch's values. Forced on, that function sees the scaled
+    values in its slot (the hazard the proof keeps it from); forced off, nothing is elided."""
     elide, env_elide = SETTINGS[setting]
     chosen = elide if elide is not None else (None if env_elide is None else env_elide == "1")
-    expected = {site: (site in AUDITED and release == "read") if chosen is None else chosen for site in SITES}
-    metadata_dir = _releases(tmp_path / release, **versions)
-    for result in unwrap(pools(2, **EAGER).run(elided_sites, metadata_dir, elide, env_elide)):
-        assert {site: result[site]["armed"] for site in SITES} == expected
-        assert all(result[site]["rewired"] == 1 and result[site]["correct"] for site in SITES), result
+    for result in unwrap(pools(2, **EAGER).run(elided_sites, elide, env_elide)):
+        assert result["moco"] == {"elided": int(chosen is not False), "torch_values": True}, result
+        scaled = result["scale_then_read_slot"]
+        assert scaled["elided"] == int(chosen is True), result
+        assert scaled["torch_values"] is (chosen is not True) and scaled["slot_scaled"] is (chosen is True), result
 
 
 def settings_after_patch(ctx: Any) -> dict:

@@ -1,4 +1,4 @@
-"""The target registry, its version gates and the audited call sites, on real distribution metadata."""
+"""The target registry and its version gates, on real distribution metadata."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Iterator, Optional
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from memgather.patching import audits, targets
+from memgather.patching import targets
 from memgather.patching.targets import Target
 from tests.conftest import forget_verdicts
 
@@ -177,45 +177,3 @@ def test_version_verdict_is_logged_when_the_library_is_imported(installed: Path,
     finally:
         memgather.unpatch()
         sys.modules.pop("mmengine", None)
-
-
-def test_audited_sites_are_complete_data() -> None:
-    """Each audited call site lies in a built-in target, names one function, and covers the releases read."""
-    assert {site.name for site in audits.AUDITED} == {
-        "accelerate.utils.operations:_gpu_gather.<locals>._gpu_gather_one",
-        "transformers.trainer_pt_utils:distributed_concat",
-        "lightning_fabric.utilities.distributed:_all_gather_ddp_if_available",
-        "lightning.fabric.utilities.distributed:_all_gather_ddp_if_available"}
-    for site in audits.AUDITED:
-        target = targets.select(None).match(site.module)
-        assert target is not None and target.distribution == site.distribution, site
-        assert all(part.isidentifier() or part == "<locals>" for part in site.qualname.split(".")), site
-        assert site.read and all(SpecifierSet(site.versions).contains(release) for release in site.read), site
-        assert site.note
-
-
-@pytest.mark.parametrize(
-    "version,covered,reason",
-    [("1.15.0", True, "accelerate 1.15.0 is inside >=0.20.0,<=1.15.0"),
-     ("0.20.0", True, "inside"),
-     ("1.15.1", False, "accelerate 1.15.1 is outside the audited range >=0.20.0,<=1.15.0"),  # a later release, unread
-     ("0.19.0", False, "outside the audited range"),
-     (None, False, "distribution 'accelerate' is not installed")],
-)
-def test_an_audit_covers_only_the_releases_it_read(tmp_path: Path, version: Optional[str], covered: bool,
-                                                   reason: str) -> None:
-    if version is None and importlib.util.find_spec("accelerate") is not None:
-        pytest.skip("accelerate is installed here")
-    if version is not None:
-        info = tmp_path / f"accelerate-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: accelerate\nVersion: {version}\n")
-    site = next(site for site in audits.AUDITED if site.distribution == "accelerate")
-    sys.path.insert(0, str(tmp_path))
-    forget_verdicts()
-    try:
-        verdict = audits.covers(site)
-    finally:
-        sys.path.remove(str(tmp_path))
-        forget_verdicts()
-    assert verdict.allowed is covered and reason in verdict.reason

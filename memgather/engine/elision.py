@@ -27,8 +27,8 @@ the slots holds the buffer or the slots themselves (the storage's use count and
 the Python count of its storage object; each slot's own C++ use count, which a
 DLPack export, a saved tensor or a view's base raises).
 
-What stays visible, and is why elision is on by default only for call sites
-audited to drop the list: while the result lives, it and the not-yet-touched
+What stays visible, and is why elision is on by default only at call sites
+whose code is proven to drop the list (``memgather.patching.proof``): while the result lives, it and the not-yet-touched
 slots share memory, so a write into the result (or freeing its storage) shows
 in such a slot; so does a write into a slot by code that bypasses torch's
 Python dispatch (a C extension, a raw pointer, TorchScript, a collective whose

@@ -25,7 +25,7 @@ from memgather import compat, config
 from memgather.engine import core, elision, report
 from memgather.engine.call import bind
 from memgather.engine.reasons import Reason
-from memgather.patching import audits, callers, scope
+from memgather.patching import callers, scope, sites
 from memgather.patching import targets as registry
 
 _log = logging.getLogger("memgather")
@@ -45,7 +45,7 @@ class _Active:
     selection: registry.Selection
     check: bool
     force: bool
-    elide: Optional[bool]  # None: audited call sites only
+    elide: Optional[bool]  # None: where the call site's code is proven to drop the list (sites)
     verify: bool
 
 
@@ -55,10 +55,11 @@ _wrapper: Optional[MemgatherWrapper] = None
 _installed: List[Tuple[Any, str, Any]] = []  # (owner, attribute, value it replaced)
 # Keyed by id(code), holding the code object so the id cannot be reused: code
 # objects compare by value, and two modules' identical functions are "equal".
-_decisions: Dict[int, Tuple[CodeType, bool, bool]] = {}  # id -> (code, rewire?, elide?)
+# elide? is None where the call site's own code decides (sites.elides, per call site).
+_decisions: Dict[int, Tuple[CodeType, bool, Optional[bool]]] = {}  # id -> (code, rewire?, elide?)
 # Decisions for calls whose caller is found past plumbing: keyed by the ids of the code
 # objects the walk found, holding them for the same reason.
-_chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], Tuple[CodeType, bool, bool]]] = {}
+_chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], Tuple[CodeType, bool, Optional[bool]]]] = {}
 # What the first patch() replaced: the environment it exported over, and the engine's settings.
 _exported: Optional[Tuple[Dict[str, Optional[str]], config.Settings]] = None
 _hooked: set = set()
@@ -81,8 +82,8 @@ def patch(
     (default ``MEMGATHER_CHECK``). ``force``: rewire targets whose installed
     version is outside the tested range (default ``MEMGATHER_FORCE``).
     ``elide``: let ``torch.cat`` of the gathered list return the gathered
-    buffer (default ``MEMGATHER_ELIDE``; unset: only for call sites audited
-    to drop the list after concatenating). ``verify``: also run the original
+    buffer (default ``MEMGATHER_ELIDE``; unset: at call sites whose code is
+    proven to drop the list after one cat, see docs/elision.md). ``verify``: also run the original
     all_gather for every rewired call and raise ``VerifyError`` where the
     results differ, for test runs (default ``MEMGATHER_VERIFY``). Idempotent and thread-safe; calling
     it again replaces the settings. Also exports the settings to the
@@ -123,6 +124,7 @@ def patch(
         _rebind_imported(selection)
         _decisions.clear()
         _chains.clear()
+        sites.forget()
         _active = active
         # Spawned children read the environment at start-up, and so re-patch as this process did.
         previous = config.export(True, selection.names, active.check, active.force, active.elide, active.verify)
@@ -147,6 +149,7 @@ def unpatch() -> bool:
         _active = None
         _decisions.clear()
         _chains.clear()
+        sites.forget()
         kept = [entry for entry in _installed if not _restore(*entry)]
         _installed[:] = kept
         if kept:
@@ -178,7 +181,10 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         if known is None or known[0] is not code:
             known = _decide(frame, active)
         if known[1]:
-            call = bind(args, kwargs, active.check, known[2], active.verify)
+            elide = known[2]
+            if elide is None:  # the call site's own code decides, proven once per site
+                elide = sites.elides(frame)
+            call = bind(args, kwargs, active.check, elide, active.verify)
             if call is None:  # arguments torch's signature does not take: torch's own TypeError
                 return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
             return core.handle(call)
@@ -187,7 +193,7 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     return wrapped(*args, **kwargs)
 
 
-def _decide(frame: Any, active: _Active) -> Tuple[CodeType, bool, bool]:
+def _decide(frame: Any, active: _Active) -> Tuple[CodeType, bool, Optional[bool]]:
     found, cacheable = callers.calling_frames(frame)
     if cacheable:
         decision = _decide_for(frame.f_code, found, active)
@@ -204,8 +210,9 @@ def _decide(frame: Any, active: _Active) -> Tuple[CodeType, bool, bool]:
     return known[1]
 
 
-def _decide_for(code: CodeType, found: List[Any], active: _Active) -> Tuple[CodeType, bool, bool]:
-    """Whether to rewire, and to elide, a call made on behalf of ``found`` (innermost first)."""
+def _decide_for(code: CodeType, found: List[Any], active: _Active) -> Tuple[CodeType, bool, Optional[bool]]:
+    """Whether to rewire a call made on behalf of ``found`` (innermost first), and to elide
+    (None: the call site's code decides, ``sites.elides``)."""
     report.remember_rank()
     for caller in found:  # the code that called, then (past a Function's forward) the code that applied it
         module = callers.module_of(caller)
@@ -215,9 +222,7 @@ def _decide_for(code: CodeType, found: List[Any], active: _Active) -> Tuple[Code
         verdict = registry.gate(target, active.force)
         _announce(target, verdict)
         act = verdict.allowed
-        # Unset: only functions read and found to drop the list, in the releases read.
-        elide = (act and any(map(audits.elides_by_default, found))) if active.elide is None else active.elide
-        return code, act, elide
+        return code, act, (active.elide if act else False)
     return code, False, False
 
 

@@ -30,8 +30,8 @@ class Target:
     it equals or lies below). ``distribution``/``versions``: the installed
     distribution and the PEP 440 range it must satisfy (prereleases allowed);
     None/"" for no gate. ``note``: what its gather code does with the slots.
-    Whether cat elision is on by default is decided per call site, not per
-    target (``memgather.patching.audits``).
+    Whether cat elision is on by default is decided per call site, from its
+    code, not per target (``memgather.patching.sites``).
     """
 
     name: str

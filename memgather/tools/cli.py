@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--elide",
         choices=["on", "off"],
-        help="cat elision for every rewired call (on) or none (off); default: audited targets only",
+        help="cat elision for every rewired call (on) or none (off); default: at call sites whose code is "
+        "proven to drop the list after one cat",
     )
     run.add_argument("--report", choices=["rank0", "all"], help="write statistics to stderr at exit")
     run.add_argument("--log", metavar="LEVEL", help="log memgather's messages at LEVEL (DEBUG, INFO, ...)")

@@ -145,21 +145,32 @@ def cuda_slots() -> str:
 
 
 def elision_lines(elide: Optional[bool]) -> List[str]:
-    """Where cat elision is on: the setting, then each audited call site, its range and verdict here."""
-    from memgather.patching import audits
+    """Where cat elision is on: the setting, then every all_gather call site of each installed
+    target (found by reading its files, never importing it) with the proof's verdict."""
+    from memgather.patching import callsites, targets
 
     if elide is None:
-        lines = ["cat elision (MEMGATHER_ELIDE unset): on only at audited call sites, in the releases read:"]
+        lines = [
+            "cat elision (MEMGATHER_ELIDE unset): at call sites whose code is proven to drop the list after one cat"
+        ]
     else:
         where = "on for every rewired call" if elide else "off everywhere"
-        lines = [f"cat elision: {where} (MEMGATHER_ELIDE={int(elide)}); audited call sites:"]
-    for audited in audits.AUDITED:
-        verdict = audits.covers(audited)
-        state = ("on, " if verdict.allowed else "off, ") if elide is None else ""
+        lines = [f"cat elision: {where} (MEMGATHER_ELIDE={int(elide)}); what the proof says of each call site"]
+    # torch's own all-gathering Function, whose forward hands its slots to the code that applies it.
+    function, _ = callsites.of_package("torch.distributed.nn.functional")
+    packages = [("torch.distributed.nn", function)]
+    for top in dict.fromkeys(prefix.split(".")[0] for target in targets.BUILTIN for prefix in target.prefixes):
+        found, note = callsites.of_package(top)
+        if not note:
+            packages.append((top, found))
+    for top, found in packages:
+        elided = sum(call_site.verdict.proven for call_site in found)
         lines.append(
-            f"  {audited.name}: {audited.distribution} {audited.versions} (read {', '.join(audited.read)}): "
-            f"{state}{verdict.reason}"
+            f"  {top}: {len(found)} call site{'s' if len(found) != 1 else ''} of torch's all_gather, {elided} proven"
         )
+        for call_site in found:
+            state = "proven" if call_site.verdict.proven else "not proven"
+            lines.append(f"    {call_site.name} ({call_site.role}): {state}: {call_site.verdict.reason}")
     return lines
 
 

@@ -29,13 +29,13 @@ class Pattern:
     name: str
     label: str
     stands_for: str
-    elide: bool  # as memgather's defaults have it for the library this stands for
+    elide: bool  # whether memgather's default elides its cat: the proof's verdict on its code
 
 
 PATTERNS: Tuple[Pattern, ...] = (
     Pattern("empty_like_cat", "empty_like + cat", "accelerate < 0.24, and accelerate on gloo/CPU today", True),
     Pattern("clone_cat", "clone + cat", "transformers distributed_concat", True),
-    Pattern("ones_like_cat", "ones_like + cat", "MoCo concat_all_gather (elision opted in)", True),
+    Pattern("ones_like_cat", "ones_like + cat", "MoCo concat_all_gather", True),
     Pattern("zeros_like_list", "zeros_like list", "torchmetrics gather_all_tensors", False),
     Pattern("views_in_place", "views, input in slot", "DeepSpeed <= 0.12.3 ZeRO", False),
     Pattern("single_tensor", "single-tensor call", "hand-fixed code; memgather.gather under memgather", False),

@@ -156,14 +156,14 @@ def _run_case(pattern: patterns.Pattern, per_rank: int, device: Any) -> Case:
     torch_gather(tensor)  # warm-up: the backend's first-call costs are not the gather's
     case.peak_torch, case.reserved_torch, want = _measured(torch_gather, tensor)
     mine = patterns.function(pattern.name, memgather_mode=True)
-    memgather.patch([patterns.MODULE], elide=pattern.elide)
+    memgather.patch([patterns.MODULE])
     mine(tensor)  # warm-up
     memgather.reset_stats()
     case.peak_memgather, case.reserved_memgather, got = _measured(mine, tensor)
     case.took = _took(memgather.stats())
     case.differs = got != want
     # Verified last: verify mode's scratch gather leaves memory behind that a later peak would miss.
-    memgather.patch([patterns.MODULE], elide=pattern.elide, verify=True)
+    memgather.patch([patterns.MODULE], verify=True)
     memgather.reset_stats()
     try:
         mine(tensor)  # raises VerifyError on every rank where a rewired call differs

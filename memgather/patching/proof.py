@@ -1,0 +1,383 @@
+"""Reading a call site's code: is the gathered list dropped right after one ``torch.cat``?
+
+Cat elision hands out the gathered buffer itself as the result of ``torch.cat``
+(or ``torch.stack``) of the gathered slots: the slots and the result then share
+memory (``memgather.engine.elision``). That is invisible only if nothing uses
+the slots after the cat. This module proves it from the function's own code,
+per call site, in one of four roles:
+
+- ``gatherer``: the function calls ``all_gather(L, ...)`` itself. ``L`` must be
+  a local bound, on every path to the gather, to a fresh list (a list display or
+  comprehension whose elements are new tensors: ``torch.empty_like(t)``,
+  ``t.clone()``, ...) and not read between that binding and the gather; after
+  the gather the first read of ``L`` on every path must be one ``torch.cat`` /
+  ``concat`` / ``concatenate`` / ``stack`` of the whole list along dim 0, and
+  after that cat ``L`` must not be read again on any path (loops and exception
+  handlers included) before it is bound anew.
+- ``forward``: an autograd Function's ``forward`` that gathers as above and, in
+  place of the cat, returns the list whole (``return tuple(L)``, ``return L``).
+- ``passes_on``: a frame between such a ``forward`` and its applier (torch's
+  ``torch.distributed.nn.all_gather``) that returns the call's value as it is.
+- ``receiver``: the frame that applied the Function. The call's value is either
+  concatenated at once (``torch.cat(all_gather(t))``) or bound to a local that
+  is then used as ``gatherer``'s list is after its gather.
+
+Everywhere the name must be a plain local: not ``global`` / ``nonlocal``, not
+captured by a nested function, lambda or class, not bound by ``:=``, and the
+function must not read its own frame (``locals()``, ``vars()``, ``dir()``,
+``exec``, ``eval``, ``breakpoint()``, ``sys._getframe``, ``inspect.currentframe``,
+``f_locals``). Names are followed by where they are bound and read, node by node
+of the control flow (``memgather.patching.flow``), so one name may be a tensor
+in one branch and the list in another.
+
+What is not proven gets a reason naming the line. Names of functions are
+resolved by the caller of this module (``resolve``: an expression to a dotted
+name such as ``"torch.cat"``, or None), so the same proof serves a live frame
+(resolved through its globals) and a file read without importing it.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from memgather.patching import flow
+
+Resolve = Callable[[ast.expr], Optional[str]]
+
+CATS = frozenset(("torch.cat", "torch.concat", "torch.concatenate", "torch.stack"))
+GATHERS = frozenset(("torch.distributed.all_gather", "torch.distributed.distributed_c10d.all_gather"))
+FUNCTION_GATHERS = frozenset(("torch.distributed.nn.all_gather", "torch.distributed.nn.functional.all_gather"))
+# Calls that always return a tensor nobody else holds.
+FACTORIES = frozenset(
+    "torch." + name
+    for name in (
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "rand",
+        "randn",
+        "empty_strided",
+        "tensor",
+    )
+)
+# Tensor methods that return a new tensor of its own: read by name, whatever the receiver
+# (the slots' type is checked when the call is planned: a plain tensor's methods are these).
+FRESH_METHODS = frozenset(("clone", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"))
+_WHOLE = frozenset(("tuple", "list"))  # return tuple(L): the list handed on whole
+_FRAME_READERS = frozenset(("locals", "vars", "dir", "exec", "eval", "breakpoint"))
+_FRAME_ATTRIBUTES = frozenset(("_getframe", "currentframe", "f_locals", "getouterframes", "getinnerframes"))
+
+_BEFORE, _AFTER = 0, 1
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a call site drops the gathered list after one cat, and the reason (with line numbers)."""
+
+    proven: bool
+    reason: str
+
+
+def refuse(reason: str) -> Verdict:
+    return Verdict(False, reason)
+
+
+def gather_list(call: ast.Call) -> Optional[ast.expr]:
+    """The list argument of an ``all_gather(tensor_list, tensor, ...)`` call, if written out."""
+    for keyword in call.keywords:
+        if keyword.arg == "tensor_list":
+            return keyword.value
+    if call.args and not isinstance(call.args[0], ast.Starred):
+        return call.args[0]
+    return None
+
+
+def gatherer(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:
+    """The function gathers into a list with ``call`` and must drop it after one cat."""
+    return _Proof(function, resolve).gathered(call, _cat_node, "drops the list after the cat")
+
+
+def forward(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:
+    """An autograd Function's ``forward``: gathers into a list with ``call`` and returns it whole."""
+    return _Proof(function, resolve).gathered(call, _returned_whole, "returns the list whole")
+
+
+def passes_on(function: ast.AST, call: ast.Call) -> Verdict:
+    """A frame between a Function's ``forward`` and its applier: returns ``call``'s value as it is."""
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and node.value is call:
+            return Verdict(True, f"returns the call's value at line {call.lineno}")
+    return refuse(f"line {call.lineno}: does not return the gathered tensors as they are")
+
+
+def receiver(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:
+    """The applier of an all-gathering Function: the call's value must be dropped after one cat."""
+    return _Proof(function, resolve).received(call)
+
+
+class _Proof:
+    def __init__(self, function: ast.AST, resolve: Resolve) -> None:
+        self.function = function
+        self.resolve = resolve
+        self.parents: Dict[int, ast.AST] = {}
+        for node in ast.walk(function):
+            for child in ast.iter_child_nodes(node):
+                self.parents[id(child)] = node
+
+    def gathered(
+        self, call: ast.Call, hand_over: Callable[["_Proof", flow.Node, ast.Name], bool], done: str
+    ) -> Verdict:
+        listed = gather_list(call)
+        if not isinstance(listed, ast.Name):
+            return refuse(f"line {call.lineno}: the gathered list is not a local name")
+        name = listed.id
+        graph, refusal = self._graph(name)
+        if graph is None:
+            return refuse(refusal)
+        at = graph.containing(call)
+        if at is None:
+            return refuse(f"line {call.lineno}: the gather is not a statement of the function's own")
+        if [n for n in flow.loads(at, name) if n is not listed] or flow.binds(at, name):
+            return refuse(f"line {at.line}: {name} is used again in the statement that gathers into it")
+        refusal = self._fresh_before(graph, at, name)
+        if refusal:
+            return refuse(refusal)
+        return self._dropped_after(graph, [*at.succ, *at.exc], name, hand_over, at.line, done)
+
+    def argument_of(self, expression: ast.expr) -> Optional[ast.AST]:
+        """The node holding ``expression``: for a keyword argument, the call (not the keyword)."""
+        parent = self.parents.get(id(expression))
+        return self.parents.get(id(parent)) if isinstance(parent, ast.keyword) else parent
+
+    def received(self, call: ast.Call) -> Verdict:
+        parent = self.argument_of(call)
+        if isinstance(parent, ast.Call) and _tensors_argument(parent) is call and self._is_cat(parent):
+            return Verdict(True, f"concatenates the gathered tensors at once at line {parent.lineno}")
+        target = _single_target(parent) if isinstance(parent, (ast.Assign, ast.AnnAssign)) else None
+        if target is None:
+            return refuse(f"line {call.lineno}: the gathered tensors are neither bound to a name nor concatenated")
+        graph, refusal = self._graph(target)
+        if graph is None:
+            return refuse(refusal)
+        at = graph.containing(call)
+        assert at is not None  # the call is part of the assignment, a statement of the function
+        if flow.loads(at, target):
+            return refuse(f"line {at.line}: {target} is used in the statement that binds it")
+        return self._dropped_after(graph, list(at.succ), target, _cat_node, at.line, "drops the tensors after the cat")
+
+    # The parts of a proof.
+
+    def _graph(self, name: str) -> Tuple[Optional[flow.Graph], str]:
+        if not isinstance(self.function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return None, "not inside a function (module or class code: its names are shared)"
+        refusal = self._escapes(name)
+        if refusal:
+            return None, refusal
+        try:
+            return flow.Graph(self.function), ""
+        except flow.Unsupported as error:
+            return None, f"cannot follow {error}"
+
+    def _escapes(self, name: str) -> str:
+        """Ways for ``name`` to be reached other than by its reads in the function's own code."""
+        for node in ast.walk(self.function):
+            if isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names:
+                kind = "global" if isinstance(node, ast.Global) else "nonlocal"
+                return f"line {node.lineno}: {name} is declared {kind}"
+            if isinstance(node, ast.NamedExpr) and node.target.id == name:
+                return f"line {node.lineno}: {name} is bound by :="
+            if node is not self.function and isinstance(node, _NESTED) and _mentions(node, name):
+                return f"line {node.lineno}: {name} is captured by a nested function or class"
+            if isinstance(node, ast.Call):
+                reader = _frame_reader(node)
+                if reader:
+                    return f"line {node.lineno}: the function reads its own frame ({reader})"
+            if isinstance(node, ast.Attribute) and node.attr in _FRAME_ATTRIBUTES:
+                return f"line {node.lineno}: the function reads frames (.{node.attr})"
+        return ""
+
+    def _fresh_before(self, graph: flow.Graph, at: flow.Node, name: str) -> str:
+        """Every path into the gather binds ``name`` to a fresh list and reads it no more before the gather."""
+        before = graph.predecessors()
+        pending = list(before[at.index])
+        if at.index == graph.entry:
+            return f"{name} is not bound to a list in this function before the gather (a parameter, or unbound)"
+        seen: Set[int] = set()
+        while pending:
+            index = pending.pop()
+            if index in seen:
+                continue
+            seen.add(index)
+            node = graph.nodes[index]
+            if flow.binds(node, name):  # what the binding statement reads is the name's earlier value
+                if not self._binds_fresh_list(node, name):
+                    return f"line {node.line}: {name} is bound to something that is not a list of new tensors"
+                continue
+            if flow.loads(node, name):
+                return f"line {node.line}: {name} is used before the gather"
+            if index == graph.entry:
+                return f"{name} is not bound to a list in this function before the gather (a parameter, or unbound)"
+            pending.extend(before[index])
+        return ""
+
+    def _binds_fresh_list(self, node: flow.Node, name: str) -> bool:
+        statement = node.statement
+        if not isinstance(statement, (ast.Assign, ast.AnnAssign)) or _single_target(statement) != name:
+            return False
+        if node.binds != (statement,):  # the statement's own node, not a compound one it heads
+            return False
+        value = statement.value
+        if isinstance(value, ast.ListComp):
+            return self._fresh_tensor(value.elt)
+        if isinstance(value, ast.List):
+            return bool(value.elts) and all(self._fresh_tensor(element) for element in value.elts)
+        return False
+
+    def _fresh_tensor(self, expression: ast.expr) -> bool:
+        if not isinstance(expression, ast.Call):
+            return False
+        function = expression.func
+        if isinstance(function, ast.Attribute) and function.attr in FRESH_METHODS:
+            return True
+        return self.resolve(function) in FACTORIES
+
+    def _dropped_after(
+        self,
+        graph: flow.Graph,
+        starts: List[int],
+        name: str,
+        hand_over: Callable[["_Proof", flow.Node, ast.Name], bool],
+        line: int,
+        done: str,
+    ) -> Verdict:
+        """From ``starts`` the first read of ``name`` on every path is a hand-over, and none follows one."""
+        pending = [(index, _BEFORE, 0) for index in starts]
+        seen: Set[Tuple[int, int]] = set()
+        handed: List[int] = []
+        while pending:
+            index, state, handed_at = pending.pop()
+            if (index, state) in seen:
+                continue
+            seen.add((index, state))
+            node = graph.nodes[index]
+            reads = flow.loads(node, name)
+            if reads:
+                if state == _AFTER:
+                    return refuse(f"line {node.line}: {name} is used again after line {handed_at}")
+                if len(reads) != 1 or not hand_over(self, node, reads[0]):
+                    return refuse(f"line {node.line}: {name} is used after the gather at line {line}, not by a cat")
+                state, handed_at = _AFTER, node.line
+                handed.append(node.line)
+            pending.extend((nxt, state, handed_at) for nxt in node.exc)
+            if not flow.binds(node, name):
+                pending.extend((nxt, state, handed_at) for nxt in node.succ)
+        if not handed:
+            return refuse(f"line {line}: {name} is never concatenated")
+        lines = ", ".join(str(n) for n in sorted(set(handed)))
+        return Verdict(True, f"{done} at line {lines}")
+
+    def _is_cat(self, call: ast.Call) -> bool:
+        if self.resolve(call.func) not in CATS or len(call.args) > 2:
+            return False
+        if any(isinstance(a, ast.Starred) for a in call.args):
+            return False
+        dims = [call.args[1]] if len(call.args) == 2 else []
+        for keyword in call.keywords:
+            if keyword.arg == "dim":
+                dims.append(keyword.value)
+            elif keyword.arg != "tensors" or call.args:
+                return False  # out=, axis=, **kwargs, or the list given twice
+        return all(isinstance(d, ast.Constant) and type(d.value) is int and d.value == 0 for d in dims)
+
+
+def _cat_node(proof: _Proof, node: flow.Node, read: ast.Name) -> bool:
+    parent = proof.argument_of(read)
+    return isinstance(parent, ast.Call) and _tensors_argument(parent) is read and proof._is_cat(parent)
+
+
+def _returned_whole(proof: _Proof, node: flow.Node, read: ast.Name) -> bool:
+    statement = node.statement
+    if not isinstance(statement, ast.Return) or statement.value is None:
+        return False
+    value = statement.value
+    if value is read:
+        return True
+    return (
+        isinstance(value, ast.Call)
+        and value.args == [read]
+        and not value.keywords
+        and proof.resolve(value.func) in _WHOLE
+    )
+
+
+def _tensors_argument(call: ast.Call) -> Optional[ast.expr]:
+    if call.args:
+        return call.args[0]
+    for keyword in call.keywords:
+        if keyword.arg == "tensors":
+            return keyword.value
+    return None
+
+
+def _single_target(statement: ast.AST) -> Optional[str]:
+    if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+        target: ast.AST = statement.targets[0]
+    elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+        target = statement.target
+    else:
+        return None
+    return target.id if isinstance(target, ast.Name) else None
+
+
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+
+
+def _mentions(scope: ast.AST, name: str) -> bool:
+    """Whether a nested scope's own code names ``name`` (its decorators and defaults are the outer code's)."""
+    if isinstance(scope, ast.Lambda):
+        parts: List[ast.AST] = [scope.body]
+    else:
+        parts = list(getattr(scope, "body", []))
+    return any(isinstance(n, ast.Name) and n.id == name for part in parts for n in ast.walk(part))
+
+
+def _frame_reader(call: ast.Call) -> str:
+    function = call.func
+    if isinstance(function, ast.Name) and function.id in _FRAME_READERS:
+        if function.id in ("vars", "dir") and call.args:
+            return ""  # vars(obj) / dir(obj) read obj, not the frame
+        return f"{function.id}()"
+    if (
+        isinstance(function, ast.Attribute)
+        and function.attr in ("stack", "trace")
+        and isinstance(function.value, ast.Name)
+        and function.value.id == "inspect"
+    ):
+        return f"inspect.{function.attr}()"
+    return ""
+
+
+def calls_at(function: ast.AST, line: int, position: Optional[Tuple[int, int, int, int]]) -> List[ast.Call]:
+    """The calls a frame may be making: the one at ``position`` (Python 3.11+ records each
+    instruction's span), else every call that starts on ``line``, outermost first."""
+    found = []
+    for node in ast.walk(function):
+        if not isinstance(node, ast.Call):
+            continue
+        if position is not None:
+            span = (node.lineno, node.end_lineno, node.col_offset, node.end_col_offset)
+            if span == position:
+                return [node]
+        elif node.lineno == line:
+            found.append(node)
+    return [] if position is not None else found

@@ -1,0 +1,377 @@
+"""Call sites for the elision proof (tests/test_proof.py): each function's name says the verdict it must get.
+
+``accepted_*`` drop the gathered list after one cat (shapes copied from real
+libraries and from user code); ``refused_*`` use it after the cat, or let it
+escape before, in one way each. Every function takes the rank's tensor and
+returns what a caller would observe. The file is imported normally (pytest
+does not rewrite it), so the proof reads the code that runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+from torch import cat as concatenate_them
+from torch.distributed import all_gather as gather_into
+
+KEPT: List[Any] = []
+
+
+class _State:
+    backend = "gloo"
+    num_processes = 2
+
+
+@torch.no_grad()
+def accepted_moco(tensor: torch.Tensor) -> torch.Tensor:
+    """MoCo's concat_all_gather."""
+    tensors_gather = [torch.ones_like(tensor) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(tensors_gather, tensor, async_op=False)
+    output = torch.cat(tensors_gather, dim=0)
+    return output
+
+
+def accepted_accelerate(tensor: torch.Tensor) -> torch.Tensor:
+    """accelerate's _gpu_gather_one: one name for a tensor in one branch and the list in the other."""
+    state = _State()
+    gather_op = getattr(torch.distributed, "all_gather_single", None)
+
+    def _gpu_gather_one(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.ndim == 0:
+            tensor = tensor.clone()[None]
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        if state.backend is not None and state.backend != "gloo":
+            output_tensors = torch.empty(state.num_processes * tensor.numel(), dtype=tensor.dtype)
+            gather_op(output_tensors, tensor)
+            return output_tensors.view(-1, *tensor.size()[1:])
+        else:
+            output_tensors = [torch.empty_like(tensor) for _ in range(state.num_processes)]
+            torch.distributed.all_gather(output_tensors, tensor)
+            return torch.cat(output_tensors, dim=0)
+
+    return _gpu_gather_one(tensor)
+
+
+def accepted_transformers(tensor: Any, num_total_examples: Optional[int] = None) -> Any:
+    """transformers' distributed_concat: recursion, try / except, a slice of the cat returned."""
+    try:
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(accepted_transformers(t, num_total_examples) for t in tensor)
+        tensor = torch.atleast_1d(tensor).contiguous()
+        output_tensors = [tensor.clone() for _ in range(dist.get_world_size())]
+        dist.all_gather(output_tensors, tensor)
+        concat = torch.cat(output_tensors, dim=0)
+        if num_total_examples is not None:
+            concat = concat[:num_total_examples]
+        return concat
+    except AssertionError:
+        raise AssertionError("Not currently using distributed training") from None
+
+
+class IgniteLike:
+    """ignite's _do_all_gather: the gather in either branch of an if."""
+
+    def accepted_method(self, tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+        if tensor.ndimension() == 0:
+            tensor = tensor.unsqueeze(0)
+        output = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+        if group is not None:
+            dist.all_gather(output, tensor, group=group)
+        else:
+            dist.all_gather(output, tensor)
+        return torch.cat(output, dim=0)
+
+
+def accepted_ignite(tensor: torch.Tensor) -> torch.Tensor:
+    return IgniteLike().accepted_method(tensor)
+
+
+def accepted_in_a_loop(tensor: torch.Tensor) -> torch.Tensor:
+    results = []
+    for step in range(3):
+        slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(slots, tensor + step)
+        results.append(torch.cat(slots))
+    return torch.stack(results)
+
+
+def accepted_while_loop(tensor: torch.Tensor) -> torch.Tensor:
+    total = torch.zeros(())
+    step = 0
+    while step < 2:
+        slots = [tensor.new_zeros(tensor.shape) for _ in range(dist.get_world_size())]
+        dist.all_gather(slots, tensor)
+        total = total + torch.cat(slots, 0).sum()
+        step += 1
+    return total
+
+
+def accepted_stack(tensor: torch.Tensor) -> torch.Tensor:
+    slots = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(tensor_list=slots, tensor=tensor)
+    return torch.stack(slots, dim=0)
+
+
+def accepted_keywords(tensor: torch.Tensor) -> torch.Tensor:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    return torch.concat(tensors=slots, dim=0)
+
+
+def accepted_imported_names(tensor: torch.Tensor) -> torch.Tensor:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    gather_into(slots, tensor)
+    return concatenate_them(slots)
+
+
+def accepted_list_display(tensor: torch.Tensor) -> torch.Tensor:
+    slots = [torch.empty_like(tensor), torch.empty_like(tensor)]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    del slots
+    return result
+
+
+def accepted_rebound_to_the_cat(tensor: torch.Tensor) -> torch.Tensor:
+    slots: List[torch.Tensor] = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    slots = torch.cat(slots)  # type: ignore[assignment]  # the name is the result's from here on
+    return slots.sum(0) + slots[0]  # type: ignore[attr-defined]
+
+
+def accepted_cat_then_other_work(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.mul_(2)
+    try:
+        other = result.sum()
+    except RuntimeError:
+        other = torch.zeros(())
+    return result, other
+
+
+def accepted_receiver(tensor: torch.Tensor) -> torch.Tensor:
+    """Lightning's _all_gather_ddp_if_available: torch.distributed.nn's Function, then stack."""
+    tensor = tensor.contiguous()
+    with torch.no_grad():
+        gathered_tensors = dist_nn.all_gather(tensor)
+    return torch.stack(gathered_tensors)
+
+
+def accepted_receiver_at_once(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat(dist_nn.all_gather(tensor), dim=0)
+
+
+class GatherLayer(torch.autograd.Function):
+    """A self-supervised loss's GatherLayer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        output = [torch.zeros_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(output, x)
+        return tuple(output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:
+        return grads[dist.get_rank()]
+
+
+class KeepingLayer(torch.autograd.Function):
+    """A Function whose forward keeps its slots: its appliers get no elision."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        output = [torch.zeros_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(output, x)
+        KEPT.append(output)
+        return tuple(output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:
+        return grads[dist.get_rank()]
+
+
+def _hand_on(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    return GatherLayer.apply(x)  # type: ignore[no-any-return]
+
+
+def accepted_gather_layer(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.cat(GatherLayer.apply(tensor))
+
+
+def accepted_through_a_helper(tensor: torch.Tensor) -> torch.Tensor:
+    gathered = _hand_on(tensor)
+    return torch.cat(gathered)
+
+
+def refused_keeping_layer(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    result = torch.cat(KeepingLayer.apply(tensor))
+    result.mul_(3)
+    return result, KEPT.pop()[0]
+
+
+def refused_scale_then_read_slot(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.mul_(2)
+    return result, slots[0]
+
+
+def refused_returned(tensor: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result, slots
+
+
+def refused_stored_before(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    KEPT.append(slots)
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result, KEPT.pop()[1]
+
+
+def refused_aliased(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    same = slots
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result, same[0]
+
+
+def refused_closure(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+
+    def first() -> torch.Tensor:
+        return slots[0]
+
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result, first()
+
+
+def refused_locals(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result, locals()["slots"][0]
+
+
+def refused_frame(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result, sys._getframe().f_locals["slots"][1]
+
+
+def refused_eval(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result, eval("slots[0]")
+
+
+def refused_parameter(tensor: torch.Tensor, slots: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+    if slots is None:
+        slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    return torch.cat(slots)
+
+
+def refused_in_the_loop_after(tensor: torch.Tensor) -> torch.Tensor:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    total = torch.zeros(())
+    for _ in range(2):
+        part = torch.cat(slots)
+        part.add_(1)
+        total = total + part.sum()
+    return total
+
+
+def refused_in_a_handler(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    try:
+        result = torch.cat(slots)
+        result.add_(1)
+        raise ValueError("after the cat")
+    except ValueError:
+        return result, slots[0]
+
+
+def refused_used_between(tensor: torch.Tensor) -> torch.Tensor:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    slots[0].add_(5)
+    return torch.cat(slots)
+
+
+def refused_other_dim(tensor: torch.Tensor) -> torch.Tensor:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    return torch.cat(slots, dim=-1)
+
+
+def refused_a_part(tensor: torch.Tensor) -> torch.Tensor:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    return torch.cat(slots[:1])
+
+
+def refused_comprehension_after(tensor: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result, [s.sum() for s in slots]
+
+
+def refused_not_fresh(tensor: torch.Tensor) -> torch.Tensor:
+    kept = torch.zeros_like(tensor)
+    slots = [kept, torch.empty_like(tensor)]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    return result + kept.sum()
+
+
+def refused_global(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    global GLOBAL_SLOTS
+    GLOBAL_SLOTS = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(GLOBAL_SLOTS, tensor)
+    result = torch.cat(GLOBAL_SLOTS)
+    result.add_(1)
+    return result, GLOBAL_SLOTS[0]
+
+
+def refused_receiver_keeps(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        gathered = dist_nn.all_gather(tensor)
+    result = torch.stack(gathered)
+    result.add_(1)
+    return result, gathered[0]
+
+
+GLOBAL_SLOTS: List[torch.Tensor] = []
+CASES = {
+    name: function
+    for name, function in sorted(globals().items())
+    if name.startswith(("accepted_", "refused_")) and callable(function)
+}

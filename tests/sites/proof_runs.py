@@ -1,0 +1,73 @@
+"""Run on every rank of a pool (tests/test_proof.py): a call site under torch, then under memgather's default.
+
+Each case runs twice on the same input: with memgather switched off for it
+(torch's own all_gather), then with the case's module a target and cat elision
+left to its default, so that the proof decides. What the caller observes is
+compared: values, dtypes, shapes, ``requires_grad``, which results share memory
+with which, and the error raised, if any.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Dict, List
+
+import torch
+
+import memgather
+
+
+def observe(value: Any) -> Dict[str, Any]:
+    """What a caller can see of a case's result."""
+    tensors: List[torch.Tensor] = []
+
+    def walk(thing: Any) -> Any:
+        if isinstance(thing, torch.Tensor):
+            tensors.append(thing)
+            return ("tensor", str(thing.dtype), tuple(thing.shape), thing.requires_grad, thing.detach().tolist())
+        if isinstance(thing, (list, tuple)):
+            return (type(thing).__name__, [walk(item) for item in thing])
+        return repr(thing)
+
+    shape = walk(value)
+    # Which results share memory with which (by storage), as torch left them.
+    storages = [t.untyped_storage().data_ptr() if t.numel() else -1 - i for i, t in enumerate(tensors)]
+    sharing = [[a == b for b in storages] for a in storages]
+    return {"value": shape, "sharing": sharing}
+
+
+def run(function: Any, tensor: torch.Tensor) -> Dict[str, Any]:
+    try:
+        return observe(function(tensor.clone()))
+    except Exception as error:  # noqa: BLE001 - the error is what both runs must share
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def compare(ctx: Any, module_name: str, names: List[str], path: str = "") -> Dict[str, Any]:
+    """Each named function of the module under torch and under memgather's default."""
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    module = importlib.import_module(module_name)
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * ctx.rank
+    results: Dict[str, Any] = {}
+    for name in names:
+        function = _named(module, name)
+        torch_run = run(function, tensor)
+        memgather.patch([module_name])
+        try:
+            memgather.reset_stats()
+            memgather_run = run(function, tensor)
+            stats = memgather.stats()
+        finally:
+            memgather.unpatch()
+        results[name] = {"torch": torch_run, "memgather": memgather_run, "elided": stats.elided,
+                         "rewired": stats.rewired}
+    return results
+
+
+def _named(module: Any, name: str) -> Any:
+    thing = module
+    for part in name.split("."):
+        thing = getattr(thing, part)
+    return thing
