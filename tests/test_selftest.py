@@ -48,24 +48,25 @@ def _rows(stdout: str) -> List[List[str]]:
 def test_alone_it_is_a_world_of_one_and_passes() -> None:
     done = _selftest([sys.executable, "-m", "memgather", "selftest"], "--sizes", SIZES)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.splitlines()[-1].startswith("memgather selftest: PASS (12 cases, 1 rank, gloo"), done.stdout
+    assert done.stdout.splitlines()[-1].startswith("memgather selftest: PASS (14 cases, 1 rank, gloo"), done.stdout
     rows = _rows(done.stdout)
-    assert len(rows) == 12 and all(row[-1] == "identical" for row in rows), done.stdout
+    assert len(rows) == 14 and all(row[-1] == "identical" for row in rows), done.stdout
 
 
 def test_under_torchrun_every_rank_agrees_and_every_strategy_is_verified() -> None:
     done = _selftest([*TORCHRUN, "-m", "memgather", "selftest"], "--sizes", SIZES, TORCH_DISTRIBUTED_DEBUG="DETAIL")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     verdict = [line for line in done.stdout.splitlines() if line.startswith("memgather selftest:")]
-    assert verdict == [verdict[0]] and "PASS (12 cases, 2 ranks, gloo" in verdict[0], done.stdout  # printed by rank 0 only
+    assert verdict == [verdict[0]] and "PASS (14 cases, 2 ranks, gloo" in verdict[0], done.stdout  # printed by rank 0 only
     took = {(row[0], row[1]): row[2] for row in _rows(done.stdout)}
     assert took[("empty_like_cat", "64 KiB")] == "torch (below_threshold)"
     assert took[("empty_like_cat", "3 MiB")] == "rebind (broadcast), cat elided"
+    assert took[("zeros_like_branches", "3 MiB")] == "rebind (broadcast), cat elided"  # ignite's, proven in a method
     assert took[("zeros_like_list", "3 MiB")] == "in_slots (broadcast)"
     assert took[("views_in_place", "3 MiB")] == "direct (broadcast)"
     # memgather.gather's small call is torch's single-tensor call into its result: not a rewire.
     assert took[("single_tensor", "64 KiB")] == "into_result (single_staged)"
-    assert "6 cases rewired, 6 of them checked in verify mode" in verdict[0], verdict[0]
+    assert "7 cases rewired, 7 of them checked in verify mode" in verdict[0], verdict[0]
 
 
 def test_a_wrong_byte_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
@@ -96,7 +97,7 @@ def test_a_wrong_byte_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "exitcode  : 1" in done.stderr, done.stderr[-3000:]  # torchrun's account of a failed worker
     verdict = done.stdout.splitlines()[-1]
-    assert verdict.startswith("memgather selftest: FAIL (6 cases, 2 ranks"), done.stdout
+    assert verdict.startswith("memgather selftest: FAIL (7 cases, 2 ranks"), done.stdout
     for name in ("empty_like_cat", "zeros_like_list", "views_in_place", "single_tensor"):
         assert f"{name} at 3 MiB" in verdict, verdict
     assert "memgather verify:" in done.stdout or "DIFFERS from torch" in done.stdout

@@ -10,7 +10,7 @@ rank's input and returns what the caller ends up holding (a tensor or a list of
 tensors).
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,25 @@ def ones_like_cat(t: torch.Tensor) -> torch.Tensor:
     slots = [torch.ones_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(slots, t, async_op=False)
     return torch.cat(slots, dim=0)
+
+
+class _NativeModel:
+    """ignite's native backend: the gather in either branch of an if, then torch.cat."""
+
+    def _do_all_gather(self, tensor: torch.Tensor, group: Optional[object] = None) -> torch.Tensor:
+        if tensor.ndimension() == 0:
+            tensor = tensor.unsqueeze(0)
+        output = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+        if group is not None:
+            dist.all_gather(output, tensor, group=group)
+        else:
+            dist.all_gather(output, tensor)
+        return torch.cat(output, dim=0)
+
+
+def zeros_like_branches(t: torch.Tensor) -> torch.Tensor:
+    # ignite's _NativeDistModel._do_all_gather (idist.all_gather, EpochMetric.compute)
+    return _NativeModel()._do_all_gather(t)
 
 
 def zeros_like_list(t: torch.Tensor) -> List[torch.Tensor]:
