@@ -36,7 +36,7 @@ PATTERNS: Tuple[Pattern, ...] = (
     Pattern("empty_like_cat", "empty_like + cat", "accelerate < 0.24, and accelerate on gloo/CPU today", True),
     Pattern("clone_cat", "clone + cat", "transformers distributed_concat", True),
     Pattern("ones_like_cat", "ones_like + cat", "MoCo concat_all_gather", True),
-    Pattern("zeros_like_branches", "zeros_like + cat, in a method", "ignite _do_all_gather", True),
+    Pattern("zeros_like_branches", "zeros_like + cat, method", "ignite _do_all_gather", True),
     Pattern("zeros_like_list", "zeros_like list", "torchmetrics gather_all_tensors", False),
     Pattern("views_in_place", "views, input in slot", "DeepSpeed <= 0.12.3 ZeRO", False),
     Pattern("single_tensor", "single-tensor call", "hand-fixed code; memgather.gather under memgather", False),
