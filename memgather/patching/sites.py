@@ -25,6 +25,7 @@ import ast
 import logging
 import sys
 import threading
+from functools import lru_cache
 from types import CodeType, FrameType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -77,7 +78,7 @@ def forget() -> None:
 
 def _chain(frame: Optional[FrameType]) -> List[FrameType]:
     """The gathering frame, then (where it is a Function's forward) the frames up to the receiver."""
-    while frame is not None and under(module_of(frame), _OWN):
+    while frame is not None and _own(module_of(frame)):
         frame = frame.f_back
     if frame is None:
         return []
@@ -91,6 +92,12 @@ def _chain(frame: Optional[FrameType]) -> List[FrameType]:
         chain.append(frame)
         frame = frame.f_back
     return chain
+
+
+@lru_cache(maxsize=4096)
+def _own(module: str) -> bool:
+    """wrapt's and memgather's frames stand between the wrapper and the gathering code (cached: asked per call)."""
+    return under(module, _OWN)
 
 
 def _prove(chain: List[FrameType]) -> Verdict:
