@@ -53,6 +53,9 @@ def test_the_static_proof_reads_each_case() -> None:
     assert "reads its own frame (eval())" in reasons["refused_eval"]
     assert "reads frames (." in reasons["refused_frame"]
     assert "declared global" in reasons["refused_global"]
+    assert "reads its own frame (exec())" in reasons["refused_exec"]
+    assert "nonlocal" in reasons["refused_nonlocal"] or "captured" in reasons["refused_nonlocal"]
+    assert "used again after" in reasons["_yields"]
     assert "used before the gather" in reasons["refused_stored_before"]
     assert "used before the gather" in reasons["refused_aliased"]
     assert "not a list of new tensors" in reasons["refused_not_fresh"]
@@ -105,6 +108,9 @@ VIOLATIONS: Dict[str, Tuple[str, List[str]]] = {
     "eval": ("before", ["KEPT.append(eval('slots'))"]),
     "vars": ("before", ["KEPT.append(vars()['slots'])"]),
     "closure": ("before", ["holder = lambda: slots", "KEPT.append(holder)"]),
+    "nonlocal": ("before", ["def inner():", "    nonlocal slots", "    KEPT.append(slots)", "inner()"]),
+    "exec": ("before", ["exec('KEPT.append(slots)')"]),
+    "returned_after": ("after", ["if flag:", "    return result, slots"]),
     "len_between": ("between", ["KEPT.append(len(slots))"]),
     "slot_between": ("between", ["KEPT.append(slots[0])"]),
     "write_between": ("between", ["slots[1].add_(7)"]),

@@ -10,7 +10,7 @@ does not rewrite it), so the proof reads the code that runs.
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -367,6 +367,42 @@ def refused_receiver_keeps(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Te
     result = torch.stack(gathered)
     result.add_(1)
     return result, gathered[0]
+
+
+def refused_exec(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    exec("KEPT.append(slots[0])")
+    return result, KEPT.pop()
+
+
+def refused_nonlocal(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+
+    def keep() -> None:
+        nonlocal slots
+        KEPT.append(slots)
+
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    keep()
+    return result, KEPT.pop()[0]
+
+
+def _yields(tensor: torch.Tensor) -> Iterator[Any]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.add_(1)
+    yield result
+    yield slots
+
+
+def refused_yielded(tensor: torch.Tensor) -> List[Any]:
+    return list(_yields(tensor))
 
 
 GLOBAL_SLOTS: List[torch.Tensor] = []
