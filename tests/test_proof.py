@@ -14,6 +14,7 @@ tensors, errors.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import os
 import shutil
@@ -258,3 +259,59 @@ def test_the_benchmark_patterns_get_the_elision_their_rows_say() -> None:
             assert found[name].proven is pattern.elide, (pattern.name, found[name])
         else:
             assert not pattern.elide, pattern.name  # no list all_gather in it: nothing to elide
+
+
+_ZIPPED = '''\
+import torch
+import torch.distributed as dist
+
+
+def concat_all_gather(tensor):
+    slots = [torch.empty_like(tensor) for _ in range(2)]
+    dist.all_gather(slots, tensor)
+    return torch.cat(slots)
+'''
+
+
+def _import_from(path: Path, name: str) -> Any:
+    import importlib
+
+    sys.path.insert(0, str(path))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(path))
+        sys.modules.pop(name, None)
+
+
+def test_source_is_read_from_a_zip_import_and_refused_where_there_is_none(tmp_path: Path) -> None:
+    """A zip with the module's source is read through its loader; a zip of bytecode alone, and code
+    compiled from a string, have no source to read: refused, with the reason."""
+    import py_compile
+    import zipfile
+
+    from memgather.patching import sources
+
+    with zipfile.ZipFile(tmp_path / "with_source.zip", "w") as archive:
+        archive.writestr("zipped_site.py", _ZIPPED)
+    module = _import_from(tmp_path / "with_source.zip", "zipped_site")
+    found = sources.function_of(module.concat_all_gather.__code__, vars(module))
+    assert isinstance(found, sources.Source), found
+    call = next(node for node in ast.walk(found.function) if isinstance(node, ast.Call)
+                and getattr(node.func, "attr", "") == "all_gather")
+    resolve = callsites._resolver(found.function, callsites._imports(ast.parse(_ZIPPED).body, ""), "")
+    assert proof.gatherer(found.function, call, resolve).proven
+
+    (tmp_path / "bytecode_site.py").write_text(_ZIPPED)
+    compiled = py_compile.compile(str(tmp_path / "bytecode_site.py"), cfile=str(tmp_path / "bytecode_site.pyc"))
+    with zipfile.ZipFile(tmp_path / "bytecode.zip", "w") as archive:
+        archive.write(compiled, "bytecode_site.pyc")
+    module = _import_from(tmp_path / "bytecode.zip", "bytecode_site")
+    (tmp_path / "bytecode_site.py").unlink()  # the path the bytecode names is gone too
+    refused = sources.function_of(module.concat_all_gather.__code__, vars(module))
+    assert isinstance(refused, str) and "no source" in refused, refused
+
+    namespace: Dict[str, Any] = {}
+    exec(compile(_ZIPPED, "<string>", "exec"), namespace)
+    refused = sources.function_of(namespace["concat_all_gather"].__code__, namespace)
+    assert refused == "no source: compiled from a string (<string>)", refused
