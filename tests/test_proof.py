@@ -42,6 +42,9 @@ def test_the_static_proof_reads_each_case() -> None:
     """Read from the file, never imported: every torch all_gather call site gets the verdict its name says."""
     found = {site.qualname: site for site in callsites.of_file(str(CASES), "tests.sites.proof_cases")}
     for qualname, site in found.items():
+        if qualname in proof_cases.RUNTIME_ONLY:
+            assert site.verdict.proven, site.verdict  # what the file alone shows; the live proof refuses
+            continue
         expected = any(part.startswith("accepted_") for part in qualname.split(".")) or qualname == "GatherLayer.forward"
         assert site.verdict.proven is expected, (qualname, site.verdict)
     assert found["GatherLayer.forward"].role == "forward" and found["accepted_receiver"].role == "receiver"

@@ -62,12 +62,15 @@ class Graph:
         self._finally: List[int] = []  # join nodes of enclosing finally blocks
         self.entry = self._block(body, EXIT)
 
-    def predecessors(self) -> List[List[int]]:
-        """For each node, the nodes that may run right before it (normally or by raising)."""
-        before: List[List[int]] = [[] for _ in self.nodes]
+    def predecessors(self) -> List[List[Tuple[int, bool]]]:
+        """For each node, the nodes that may run right before it, each with whether it got there
+        by raising (then what it binds was not bound)."""
+        before: List[List[Tuple[int, bool]]] = [[] for _ in self.nodes]
         for node in self.nodes:
-            for nxt in {*node.succ, *node.exc}:
-                before[nxt].append(node.index)
+            for nxt in set(node.succ):
+                before[nxt].append((node.index, False))
+            for nxt in set(node.exc):  # also where it goes on normally: raising, it bound nothing
+                before[nxt].append((node.index, True))
         return before
 
     def containing(self, target: ast.AST) -> Optional[Node]:
@@ -235,6 +238,8 @@ def loads(node: Node, name: str) -> List[ast.Name]:
         for inner in ast.walk(part):
             if isinstance(inner, ast.Name) and inner.id == name and isinstance(inner.ctx, ast.Load):
                 found.append(inner)
+            elif isinstance(inner, ast.AugAssign) and isinstance(inner.target, ast.Name) and inner.target.id == name:
+                found.append(inner.target)  # L += x reads L (and may hand back the same object)
     return found
 
 
@@ -253,6 +258,10 @@ def binds(node: Node, name: str) -> bool:
             if part.name == name:
                 return True
             continue
+        if isinstance(part, ast.AnnAssign) and part.value is None:
+            continue  # an annotation alone binds nothing
+        if isinstance(part, ast.AugAssign):
+            continue  # reads the name first (``loads``): the same object may come back
         for inner in _same_scope(part):
             if isinstance(inner, ast.Name) and inner.id == name and isinstance(inner.ctx, (ast.Store, ast.Del)):
                 return True

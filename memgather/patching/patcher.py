@@ -183,7 +183,7 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         if known[1]:
             elide = known[2]
             if elide is None:  # the call site's own code decides, proven once per site
-                elide = sites.elides(frame)
+                elide = sites.elides(frame, args[0] if args else kwargs.get("tensor_list"))
             call = bind(args, kwargs, active.check, elide, active.verify)
             if call is None:  # arguments torch's signature does not take: torch's own TypeError
                 return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)

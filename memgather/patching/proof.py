@@ -75,7 +75,25 @@ FACTORIES = frozenset(
 FRESH_METHODS = frozenset(("clone", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"))
 _WHOLE = frozenset(("tuple", "list"))  # return tuple(L): the list handed on whole
 _FRAME_READERS = frozenset(("locals", "vars", "dir", "exec", "eval", "breakpoint"))
-_FRAME_ATTRIBUTES = frozenset(("_getframe", "currentframe", "f_locals", "getouterframes", "getinnerframes"))
+_FRAME_ATTRIBUTES = frozenset(
+    ("_getframe", "currentframe", "f_locals", "getouterframes", "getinnerframes", "set_trace", "locals", "vars", "exec")
+)
+# What a resolver names objects that read the calling frame (however the code spells them).
+FRAME_READERS = frozenset(
+    (
+        "builtins.locals",
+        "builtins.vars",
+        "builtins.dir",
+        "builtins.exec",
+        "builtins.eval",
+        "builtins.breakpoint",
+        "sys._getframe",
+        "inspect.currentframe",
+        "inspect.stack",
+        "inspect.trace",
+        "pdb.set_trace",
+    )
+)
 
 _BEFORE, _AFTER = 0, 1
 
@@ -138,6 +156,8 @@ class _Proof:
         self, call: ast.Call, hand_over: Callable[["_Proof", flow.Node, ast.Name], bool], done: str
     ) -> Verdict:
         listed = gather_list(call)
+        if self.repeated(call):
+            return refuse(f"line {call.lineno}: the gather is inside a comprehension or lambda")
         if not isinstance(listed, ast.Name):
             return refuse(f"line {call.lineno}: the gathered list is not a local name")
         name = listed.id
@@ -159,7 +179,18 @@ class _Proof:
         parent = self.parents.get(id(expression))
         return self.parents.get(id(parent)) if isinstance(parent, ast.keyword) else parent
 
+    def repeated(self, node: ast.AST) -> bool:
+        """Whether ``node`` lies in a comprehension, generator expression or lambda: run any number of times."""
+        current = self.parents.get(id(node))
+        while current is not None and current is not self.function:
+            if isinstance(current, _REPEATED):
+                return True
+            current = self.parents.get(id(current))
+        return False
+
     def received(self, call: ast.Call) -> Verdict:
+        if self.repeated(call):
+            return refuse(f"line {call.lineno}: the call is inside a comprehension or lambda")
         parent = self.argument_of(call)
         if isinstance(parent, ast.Call) and _tensors_argument(parent) is call and self._is_cat(parent):
             return Verdict(True, f"concatenates the gathered tensors at once at line {parent.lineno}")
@@ -198,12 +229,18 @@ class _Proof:
                 return f"line {node.lineno}: {name} is bound by :="
             if node is not self.function and isinstance(node, _NESTED) and _mentions(node, name):
                 return f"line {node.lineno}: {name} is captured by a nested function or class"
+            if isinstance(node, _REPEATED[:-1]) and _mentions(node, name):
+                return f"line {node.lineno}: {name} is read inside a comprehension or generator expression"
             if isinstance(node, ast.Call):
                 reader = _frame_reader(node)
                 if reader:
                     return f"line {node.lineno}: the function reads its own frame ({reader})"
             if isinstance(node, ast.Attribute) and node.attr in _FRAME_ATTRIBUTES:
                 return f"line {node.lineno}: the function reads frames (.{node.attr})"
+            if isinstance(node, ast.Call) and self.resolve(node.func) in FRAME_READERS:
+                return f"line {node.lineno}: the function reads its own frame ({self.resolve(node.func)})"
+            if isinstance(node, ast.Name) and _mangled(node.id):
+                return f"line {node.lineno}: {node.id} is a private name (mangled inside a class): not followed"
         return ""
 
     def _fresh_before(self, graph: flow.Graph, at: flow.Node, name: str) -> str:
@@ -212,14 +249,15 @@ class _Proof:
         pending = list(before[at.index])
         if at.index == graph.entry:
             return f"{name} is not bound to a list in this function before the gather (a parameter, or unbound)"
-        seen: Set[int] = set()
+        seen: Set[Tuple[int, bool]] = set()
         while pending:
-            index = pending.pop()
-            if index in seen:
+            index, raised = pending.pop()
+            if (index, raised) in seen:
                 continue
-            seen.add(index)
+            seen.add((index, raised))
             node = graph.nodes[index]
-            if flow.binds(node, name):  # what the binding statement reads is the name's earlier value
+            # What the binding statement reads is the name's earlier value; one that raised bound nothing.
+            if not raised and flow.binds(node, name):
                 if not self._binds_fresh_list(node, name):
                     return f"line {node.line}: {name} is bound to something that is not a list of new tensors"
                 continue
@@ -302,7 +340,12 @@ class _Proof:
 
 def _cat_node(proof: _Proof, node: flow.Node, read: ast.Name) -> bool:
     parent = proof.argument_of(read)
-    return isinstance(parent, ast.Call) and _tensors_argument(parent) is read and proof._is_cat(parent)
+    return (
+        isinstance(parent, ast.Call)
+        and _tensors_argument(parent) is read
+        and proof._is_cat(parent)
+        and not proof.repeated(parent)
+    )
 
 
 def _returned_whole(proof: _Proof, node: flow.Node, read: ast.Name) -> bool:
@@ -340,12 +383,16 @@ def _single_target(statement: ast.AST) -> Optional[str]:
 
 
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+# Scopes of their own that run where they stand, any number of times (a generator expression later still).
+_REPEATED = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda)
 
 
 def _mentions(scope: ast.AST, name: str) -> bool:
     """Whether a nested scope's own code names ``name`` (its decorators and defaults are the outer code's)."""
     if isinstance(scope, ast.Lambda):
         parts: List[ast.AST] = [scope.body]
+    elif isinstance(scope, _REPEATED):
+        parts = [scope]
     else:
         parts = list(getattr(scope, "body", []))
     return any(isinstance(n, ast.Name) and n.id == name for part in parts for n in ast.walk(part))
@@ -381,3 +428,8 @@ def calls_at(function: ast.AST, line: int, position: Optional[Tuple[int, int, in
         elif node.lineno == line:
             found.append(node)
     return [] if position is not None else found
+
+
+def _mangled(name: str) -> bool:
+    """``__name`` inside a class body means ``_Class__name`` at run time: not what a resolver looks up."""
+    return name.startswith("__") and not name.endswith("__")

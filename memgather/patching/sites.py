@@ -22,12 +22,13 @@ site, and looked up on every later call from it.
 from __future__ import annotations
 
 import ast
+import inspect
 import logging
 import sys
 import threading
 from functools import lru_cache
 from types import CodeType, FrameType, ModuleType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -43,13 +44,19 @@ _MAX_HAND_ON = 8  # frames that may hand a Function's value on, the receiver inc
 _MAX_SITES = 4096
 
 Key = Tuple[Tuple[int, int], ...]
+# What a verdict rests on besides the code: (namespace, name, object) for each global, builtin or
+# module attribute the proof resolved. Checked again before a kept verdict that elides is used.
+Bindings = Tuple[Tuple[Any, str, Any], ...]
 _lock = threading.Lock()
-_verdicts: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict]] = {}
+_verdicts: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}
+_MISSING = object()
 
 
-def elides(frame: Optional[FrameType]) -> bool:
-    """Whether a gather made from ``frame`` (the all_gather wrapper's caller) is proven to drop its list."""
-    return verdict(frame).proven
+def elides(frame: Optional[FrameType], tensor_list: Any = None) -> bool:
+    """Whether a gather made from ``frame`` (the all_gather wrapper's caller) into ``tensor_list`` is
+    proven to drop its list: the call site's code, and (checked on every call) slots that nothing but
+    the list holds, as fresh slots are."""
+    return verdict(frame).proven and _held_by_the_list_alone(tensor_list)
 
 
 def verdict(frame: Optional[FrameType]) -> Verdict:
@@ -60,13 +67,14 @@ def verdict(frame: Optional[FrameType]) -> Verdict:
     key: Key = tuple((id(f.f_code), f.f_lasti) for f in chain)
     known = _verdicts.get(key)
     if known is not None and all(a is b.f_code for a, b in zip(known[0], chain)):
-        return known[1]
-    found = _prove(chain)
+        if not known[1].proven or all(space.get(name, _MISSING) is thing for space, name, thing in known[2]):
+            return known[1]
+    found, where, bindings = _prove(chain)
     with _lock:
         if len(_verdicts) >= _MAX_SITES:
             _verdicts.clear()
-        _verdicts[key] = (tuple(f.f_code for f in chain), found)
-    _log.info("memgather: cat elision at %s: %s (%s)", _where(chain[-1]), "on" if found.proven else "off", found.reason)
+        _verdicts[key] = (tuple(f.f_code for f in chain), found, bindings)
+    _log.info("memgather: cat elision at %s: %s (%s)", _where(where), "on" if found.proven else "off", found.reason)
     return found
 
 
@@ -74,6 +82,12 @@ def forget() -> None:
     """Forget every verdict (``patch()`` and ``unpatch()`` do: the settings they run under change)."""
     with _lock:
         _verdicts.clear()
+
+
+def _held_by_the_list_alone(tensor_list: Any) -> bool:
+    """Each slot is referenced by the list only (3: the list, the loop's name, getrefcount's argument):
+    a slot kept anywhere else (a pool, a cache, a name) is not a fresh one, whatever the code said."""
+    return type(tensor_list) is list and all(sys.getrefcount(slot) == 3 for slot in tensor_list)
 
 
 def _chain(frame: Optional[FrameType]) -> List[FrameType]:
@@ -100,55 +114,101 @@ def _own(module: str) -> bool:
     return under(module, _OWN)
 
 
-def _prove(chain: List[FrameType]) -> Verdict:
+def _prove(chain: List[FrameType]) -> Tuple[Verdict, FrameType, Bindings]:
+    bindings: List[Tuple[Any, str, Any]] = []
     try:
-        return _prove_chain(chain)
+        found, where = _prove_chain(chain, bindings)
     except Exception as error:  # noqa: BLE001 - reading a caller's code must never break its gather
         _log.debug("memgather: the elision proof failed", exc_info=True)
-        return proof.refuse(f"the proof failed: {type(error).__name__}: {error}")
+        found, where = proof.refuse(f"the proof failed: {type(error).__name__}: {error}"), chain[0]
+    return found, where, tuple(bindings)
 
 
-def _prove_chain(chain: List[FrameType]) -> Verdict:
+def _prove_chain(chain: List[FrameType], bindings: List[Tuple[Any, str, Any]]) -> Tuple[Verdict, FrameType]:
     gathering = chain[0]
     if len(chain) == 1:
         if under(module_of(gathering), ("torch",)):
-            return proof.refuse(f"gathered by torch's own {module_of(gathering)}")
-        return _at(gathering, proof.gatherer, _is_list_gather)
-    held = _at(gathering, proof.forward, _is_list_gather)
+            return proof.refuse(f"gathered by torch's own {module_of(gathering)}"), gathering
+        return _at(gathering, proof.gatherer, _is_list_gather, bindings), gathering
+    held = _at(gathering, proof.forward, _is_list_gather, bindings)
     if not held.proven:
-        return proof.refuse(f"the Function's forward: {held.reason}")
-    for frame in chain[1:]:
+        return proof.refuse(f"the Function's forward: {held.reason}"), gathering
+    for below, frame in zip(chain, chain[1:]):
         if callers.runs_function_forward(frame):
-            return proof.refuse(f"{_where(frame)}: a Function applied inside another Function's forward")
-        received = _at(frame, proof.receiver, _any_call)
+            return proof.refuse("a Function applied inside another Function's forward"), frame
+        if not under(module_of(frame), ("torch",)):
+            # The call this frame makes must reach the frame below as it is: a wrapper in C (a cache)
+            # would keep the value without a frame of its own.
+            link = _calls_into(frame, below, below is gathering, bindings)
+            if link:
+                return proof.refuse(link), frame
+        received = _at(frame, proof.receiver, _any_call, bindings)
         if received.proven:
-            return received
-        handed = _at(frame, lambda function, call, resolve: proof.passes_on(function, call), _any_call)
+            return received, frame
+        handed = _at(frame, lambda function, call, resolve: proof.passes_on(function, call), _any_call, bindings)
         if not handed.proven:
-            return proof.refuse(f"{_where(frame)}: {received.reason}")
-    return proof.refuse("the Function's value is handed on further than memgather follows")
+            return proof.refuse(received.reason), frame
+    return proof.refuse("the Function's value is handed on further than memgather follows"), chain[-1]
 
 
 Prover = Callable[[ast.AST, ast.Call, proof.Resolve], Verdict]
 
 
-def _at(frame: FrameType, prover: Prover, fits: Callable[[ast.Call, proof.Resolve], bool]) -> Verdict:
-    """``prover``'s verdict on the call ``frame`` is making."""
+def _call_of(
+    frame: FrameType, fits: Callable[[ast.Call, "_Resolver"], bool], bindings: List[Tuple[Any, str, Any]]
+) -> Union[Tuple[ast.AST, ast.Call, "_Resolver"], str]:
+    """The function ``frame`` runs, the call it is making, and a resolver of its names; else why not."""
     found = sources.function_of(frame.f_code, frame.f_globals)
     if isinstance(found, str):
-        return proof.refuse(found)
-    resolve = _resolver(frame)
+        return found
+    resolve = _Resolver(frame, bindings)
     position = _position(frame)
     calls = proof.calls_at(found.function, frame.f_lineno, position)
-    if position is None:
-        calls = [call for call in calls if fits(call, resolve)]
-        if len(calls) > 1:
-            outer = [c for c in calls if not any(c is not o and _holds(o, c) for o in calls)]
-            calls = outer if len(outer) == 1 and fits is _any_call else calls
+    if position is None:  # the line alone: it must hold one call that fits
+        fitting = [call for call in calls if fits(call, resolve)]
+        if not fitting and fits is _is_list_gather:
+            fitting = [call for call in calls if isinstance(proof.gather_list(call), ast.Name)]
+        calls = fitting
     if len(calls) != 1:
-        where = f"line {frame.f_lineno}"
-        return proof.refuse(f"{where}: {'no call' if not calls else 'several calls'} found where the frame is")
-    return prover(found.function, calls[0], resolve)
+        return f"line {frame.f_lineno}: {'no call' if not calls else 'several calls'} found where the frame is"
+    return found.function, calls[0], resolve
+
+
+def _at(
+    frame: FrameType,
+    prover: Prover,
+    fits: Callable[[ast.Call, "_Resolver"], bool],
+    bindings: List[Tuple[Any, str, Any]],
+) -> Verdict:
+    """``prover``'s verdict on the call ``frame`` is making."""
+    found = _call_of(frame, fits, bindings)
+    if isinstance(found, str):
+        return proof.refuse(found)
+    function, call, resolve = found
+    return prover(function, call, resolve)
+
+
+def _calls_into(
+    frame: FrameType, below: FrameType, below_is_forward: bool, bindings: List[Tuple[Any, str, Any]]
+) -> str:
+    """Why the call ``frame`` makes cannot be shown to run ``below``'s code directly ("" when it can)."""
+    found = _call_of(frame, _any_call, bindings)
+    if isinstance(found, str):
+        return found
+    _, call, resolve = found
+    callee = resolve.object_of(call.func)
+    target = getattr(callee, "__func__", callee)
+    if callee is not None and getattr(target, "__code__", None) is below.f_code:
+        return ""
+    applies = below_is_forward or module_of(below) == "torch.autograd.function"
+    if applies and callee is not None and callee is _function_apply():
+        return ""
+    return f"line {call.lineno}: the call is made through something memgather cannot follow (a wrapper, a cache)"
+
+
+def _function_apply() -> Any:
+    """``Function.apply`` as a class attribute lookup finds it (``X.apply`` for any Function X)."""
+    return inspect.getattr_static(torch.autograd.Function, "apply")
 
 
 def _position(frame: FrameType) -> Optional[Tuple[int, int, int, int]]:
@@ -162,15 +222,11 @@ def _position(frame: FrameType) -> Optional[Tuple[int, int, int, int]]:
     return None
 
 
-def _holds(outer: ast.Call, inner: ast.Call) -> bool:
-    return any(node is inner for node in ast.walk(outer))
+def _is_list_gather(call: ast.Call, resolve: "_Resolver") -> bool:
+    return _named(call.func) == "all_gather"
 
 
-def _is_list_gather(call: ast.Call, resolve: proof.Resolve) -> bool:
-    return resolve(call.func) in proof.GATHERS or _named(call.func) == "all_gather"
-
-
-def _any_call(call: ast.Call, resolve: proof.Resolve) -> bool:
+def _any_call(call: ast.Call, resolve: "_Resolver") -> bool:
     return True
 
 
@@ -190,39 +246,59 @@ _known: Dict[int, Tuple[Any, str]] = {}
 
 
 def _known_objects() -> Dict[int, Tuple[Any, str]]:
-    """torch's functions the proof names, by identity (looked up once: torch is imported)."""
+    """The functions the proof names, by identity: torch's own C functions (not whatever ``torch.cat``
+    is bound to now: a wrapper put there is not torch's cat), and the frame readers."""
     if not _known:
+        functions = torch._C._VariableFunctions
         for dotted in sorted(proof.CATS | proof.FACTORIES):
-            thing = getattr(torch, dotted.split(".", 1)[1], None)
+            thing = getattr(functions, dotted.split(".", 1)[1], None)
             if thing is not None:
                 _known[id(thing)] = (thing, dotted)
         for thing in (tuple, list):
             _known[id(thing)] = (thing, thing.__name__)
+        for dotted in proof.FRAME_READERS:
+            module, _, name = dotted.rpartition(".")
+            thing = getattr(sys.modules.get(module), name, None)
+            if thing is not None:
+                _known[id(thing)] = (thing, dotted)
     return _known
 
 
-def _resolver(frame: FrameType) -> proof.Resolve:
-    local = set(frame.f_code.co_varnames) | set(frame.f_code.co_cellvars) | set(frame.f_code.co_freevars)
-    namespace = frame.f_globals
-    own_builtins = frame.f_builtins
-    known = _known_objects()
+class _Resolver:
+    """Names of the function a frame runs, resolved through its globals and builtins; every lookup
+    it made is recorded in ``bindings``, for the verdict to be checked against later."""
 
-    def resolve(expression: ast.expr) -> Optional[str]:
+    def __init__(self, frame: FrameType, bindings: List[Tuple[Any, str, Any]]) -> None:
+        code = frame.f_code
+        self.local = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+        self.namespace = frame.f_globals
+        self.builtins = frame.f_builtins
+        self.bindings = bindings
+        self.known = _known_objects()
+
+    def __call__(self, expression: ast.expr) -> Optional[str]:
+        thing = self.object_of(expression)
+        entry = self.known.get(id(thing)) if thing is not None else None
+        return entry[1] if entry is not None and entry[0] is thing else None
+
+    def object_of(self, expression: ast.expr) -> Any:
+        """What ``expression`` (a name and attributes of modules or classes) is bound to now, or None."""
         parts: List[str] = []
         while isinstance(expression, ast.Attribute):
             parts.append(expression.attr)
             expression = expression.value
-        if not isinstance(expression, ast.Name) or expression.id in local:
+        if not isinstance(expression, ast.Name) or expression.id in self.local:
             return None  # a local may be anything at the moment it is called
-        missing = object()
-        thing = namespace.get(expression.id, missing)
-        if thing is missing:
-            thing = own_builtins.get(expression.id, missing)
+        space = self.namespace if expression.id in self.namespace else self.builtins
+        thing = space.get(expression.id, _MISSING)
+        self.bindings.append((space, expression.id, thing))
         for part in reversed(parts):
-            if not isinstance(thing, ModuleType):
-                return None  # an attribute of anything but a module may be computed: not followed
-            thing = vars(thing).get(part, missing)
-        entry = known.get(id(thing))
-        return entry[1] if entry is not None and entry[0] is thing else None
-
-    return resolve
+            if isinstance(thing, ModuleType):
+                space = vars(thing)
+                thing = space.get(part, _MISSING)
+                self.bindings.append((space, part, thing))
+            elif isinstance(thing, type):
+                thing = inspect.getattr_static(thing, part, _MISSING)  # no descriptor runs
+            else:
+                return None  # an attribute of anything else may be computed: not followed
+        return None if thing is _MISSING else thing

@@ -9,8 +9,9 @@ for the function's: a file edited since import, code compiled from a string,
 code whose bytecode was rewritten at import (pytest rewrites the asserts of test
 modules) or a module imported from bytecode alone is refused, with the reason.
 
-Each file is parsed and compiled once per text (a few milliseconds to a few tens
-for a large module), when a call site is first seen.
+Each file is parsed and compiled once per text, when a call site is first seen: a
+few milliseconds for a small module, about 0.1 s for 100 KiB of source, a second for
+a very large file.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _shape(consts: Tuple[Any, ...]) -> List[Any]:
     """Nested code by name, place and bytecode; scalars by value; anything else (a frozenset,
     whose order may differ between two builds of it) by type."""
     return [
-        (c.co_name, c.co_firstlineno, c.co_code)
+        (c.co_name, c.co_firstlineno, c.co_code, c.co_names, c.co_varnames, _shape(c.co_consts))
         if isinstance(c, CodeType)
         else (type(c).__name__, c if isinstance(c, (int, float, str, bytes, type(None))) else None)
         for c in consts

@@ -9,6 +9,8 @@ does not rewrite it), so the proof reads the code that runs.
 
 from __future__ import annotations
 
+import builtins
+import functools
 import sys
 from typing import Any, Iterator, List, Optional, Tuple
 
@@ -405,6 +407,100 @@ def refused_yielded(tensor: torch.Tensor) -> List[Any]:
     return list(_yields(tensor))
 
 
+def refused_augmented_after(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    slots += []  # the same list, read
+    result.mul_(0)
+    return result, slots[0]
+
+
+def refused_annotation_after(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    slots: List[torch.Tensor]  # binds nothing
+    result.mul_(0)
+    return result, slots[0]
+
+
+def _raises() -> int:
+    raise RuntimeError("no world size here")
+
+
+def refused_binding_that_raised(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.zeros_like(tensor), torch.zeros_like(tensor)]
+    KEPT.append(slots)
+    try:
+        slots = [torch.empty_like(tensor) for _ in range(_raises())]
+    except RuntimeError:
+        pass
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.mul_(0)
+    return result, KEPT.pop()[0]
+
+
+def refused_cat_in_a_comprehension(tensor: torch.Tensor) -> List[torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    return [torch.cat(slots).add_(1) for _ in range(2)]
+
+
+def refused_builtins_locals(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.mul_(0)
+    return result, builtins.locals()["slots"][0]
+
+
+def refused_locals_by_another_name(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.mul_(0)
+    return result, _snapshot()["slots"][0]
+
+
+class _Pool:
+    """Hands out new tensors and keeps them: slots that look fresh in the code, and are not."""
+
+    def new_empty(self, shape: Any) -> torch.Tensor:
+        out = torch.empty(shape)
+        KEPT.append(out)
+        return out
+
+
+def refused_pooled_slots(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Accepted by reading the code; refused at the gather: a slot held by something besides the list."""
+    slots = [_Pool().new_empty(tensor.shape) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = torch.cat(slots)
+    result.mul_(0)
+    kept = KEPT[-2]
+    del KEPT[:]
+    return result, kept
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    return GatherLayer.apply(x)  # type: ignore[no-any-return]
+
+
+def refused_through_a_cache(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The cache (in C, no frame of its own) keeps the Function's tuple: refused, the call goes through it."""
+    result = torch.cat(_cached(tensor))
+    result.mul_(0)
+    kept = _cached(tensor)[0]
+    _cached.cache_clear()
+    return result, kept
+
+
+# Read by the static proof as written, decided at the gather by what runs.
+RUNTIME_ONLY = {"refused_pooled_slots", "refused_locals_by_another_name"}
+_snapshot = locals
 GLOBAL_SLOTS: List[torch.Tensor] = []
 CASES = {
     name: function
