@@ -17,7 +17,7 @@ from tests.hosts import simulated_hosts, unavailable
 from tests.multihost import compare
 
 WHY_NOT = unavailable()
-REWIRABLE = ("empty_like_cat", "clone_cat", "ones_like_cat", "zeros_like_list", "views_in_place")
+REWIRABLE = ("empty_like_cat", "clone_cat", "ones_like_cat", "zeros_like_branches", "zeros_like_list", "views_in_place")
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -39,7 +39,7 @@ def test_two_hosts_identical_results_rewired_at_the_floor(tmp_path: Path) -> Non
     for report in lines.values():
         # Each pattern's 16 MiB gather rewired; its 4 KiB warm-up gather left to torch.
         assert report.rewired == len(REWIRABLE) + 1 and report.calls == 2 * len(REWIRABLE) + 1, report.line
-        assert report.elided == 3, report.line  # the three cat patterns
+        assert report.elided == 4, report.line  # the four cat patterns
         # Across hosts, told by the host keys in the agreement row: the ring.
         assert f"routes: broadcast=1, ring={len(REWIRABLE)};" in report.line, report.line
     assert not reports(runs["torch"]["output"])
