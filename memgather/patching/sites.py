@@ -161,7 +161,7 @@ def _call_of(
     found = sources.function_of(frame.f_code, frame.f_globals)
     if isinstance(found, str):
         return found
-    resolve = _Resolver(frame, bindings)
+    resolve = _Resolver(frame, bindings, found.function)
     position = _position(frame)
     calls = proof.calls_at(found.function, frame.f_lineno, position)
     if position is None:  # the line alone: it must hold one call that fits
@@ -268,9 +268,10 @@ class _Resolver:
     """Names of the function a frame runs, resolved through its globals and builtins; every lookup
     it made is recorded in ``bindings``, for the verdict to be checked against later."""
 
-    def __init__(self, frame: FrameType, bindings: List[Tuple[Any, str, Any]]) -> None:
+    def __init__(self, frame: FrameType, bindings: List[Tuple[Any, str, Any]], function: ast.AST) -> None:
         code = frame.f_code
         self.local = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+        self.imported = _imported_only(function)
         self.namespace = frame.f_globals
         self.builtins = frame.f_builtins
         self.bindings = bindings
@@ -287,11 +288,22 @@ class _Resolver:
         while isinstance(expression, ast.Attribute):
             parts.append(expression.attr)
             expression = expression.value
-        if not isinstance(expression, ast.Name) or expression.id in self.local:
+        if not isinstance(expression, ast.Name):
+            return None
+        if expression.id in self.imported:
+            # A local bound only by an import in the function (``from torch.distributed.nn.functional
+            # import all_gather``): what that import bound, read from the imported module.
+            module, attribute = self.imported[expression.id]
+            space = vars(sys.modules[module]) if module in sys.modules else {}
+            thing = space.get(attribute, _MISSING) if attribute else sys.modules.get(module, _MISSING)
+            if attribute:
+                self.bindings.append((space, attribute, thing))
+        elif expression.id in self.local:
             return None  # a local may be anything at the moment it is called
-        space = self.namespace if expression.id in self.namespace else self.builtins
-        thing = space.get(expression.id, _MISSING)
-        self.bindings.append((space, expression.id, thing))
+        else:
+            space = self.namespace if expression.id in self.namespace else self.builtins
+            thing = space.get(expression.id, _MISSING)
+            self.bindings.append((space, expression.id, thing))
         for part in reversed(parts):
             if isinstance(thing, ModuleType):
                 space = vars(thing)
@@ -302,3 +314,27 @@ class _Resolver:
             else:
                 return None  # an attribute of anything else may be computed: not followed
         return None if thing is _MISSING else thing
+
+
+def _imported_only(function: ast.AST) -> Dict[str, Tuple[str, str]]:
+    """Names the function binds by absolute imports alone -> (module, attribute; "" for the module)."""
+    found: Dict[str, Tuple[str, str]] = {}
+    other = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            for alias in node.names:
+                if alias.name != "*":
+                    found[alias.asname or alias.name] = (node.module, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    found[alias.asname] = (alias.name, "")
+                else:
+                    other.add(alias.name.split(".")[0])  # binds the top package: not followed
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            other.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not function:
+            other.add(node.name)
+        elif isinstance(node, ast.arg):
+            other.add(node.arg)
+    return {name: where for name, where in found.items() if name not in other}
