@@ -125,7 +125,7 @@ def _functions(tree: ast.Module) -> Iterator[Tuple[ast.FunctionDef, str, bool]]:
                 yield child, qualname, function_class  # type: ignore[misc]  # async defs share the fields read
                 pending.append((child, qualname + ".<locals>.", False))
             elif isinstance(child, ast.ClassDef):
-                bases = {_last_name(base) for base in child.bases}
+                bases = {proof.last_name(base) for base in child.bases}
                 pending.append((child, prefix + child.name + ".", "Function" in bases))
             else:
                 pending.append((child, prefix, function_class))
@@ -156,12 +156,6 @@ def _dotted(expression: ast.expr) -> str:
         parts.append(expression.attr)
         expression = expression.value
     return ".".join([expression.id, *reversed(parts)]) if isinstance(expression, ast.Name) else ""
-
-
-def _last_name(expression: ast.expr) -> str:
-    if isinstance(expression, ast.Attribute):
-        return expression.attr
-    return expression.id if isinstance(expression, ast.Name) else ""
 
 
 def _imports(statements: List[ast.stmt], package: str) -> Dict[str, str]:

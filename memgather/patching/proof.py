@@ -363,6 +363,13 @@ def _returned_whole(proof: _Proof, node: flow.Node, read: ast.Name) -> bool:
     )
 
 
+def last_name(expression: ast.expr) -> str:
+    """The name an expression ends with: ``b`` of ``a.b``, ``a`` of ``a`` ("" for anything else)."""
+    if isinstance(expression, ast.Attribute):
+        return expression.attr
+    return expression.id if isinstance(expression, ast.Name) else ""
+
+
 def _tensors_argument(call: ast.Call) -> Optional[ast.expr]:
     if call.args:
         return call.args[0]

@@ -223,17 +223,11 @@ def _position(frame: FrameType) -> Optional[Tuple[int, int, int, int]]:
 
 
 def _is_list_gather(call: ast.Call, resolve: "_Resolver") -> bool:
-    return _named(call.func) == "all_gather"
+    return proof.last_name(call.func) == "all_gather"
 
 
 def _any_call(call: ast.Call, resolve: "_Resolver") -> bool:
     return True
-
-
-def _named(expression: ast.expr) -> str:
-    if isinstance(expression, ast.Attribute):
-        return expression.attr
-    return expression.id if isinstance(expression, ast.Name) else ""
 
 
 def _where(frame: FrameType) -> str:
