@@ -115,6 +115,29 @@ def with_input(prepare: Callable[[torch.Tensor], Any]) -> Callable[[Callable[...
     return mark
 
 
+def uneven(gather: Callable[..., Pieces]) -> Callable[..., Pieces]:
+    """Marks a path whose ranks gather different lengths: rank ``r`` passes the first
+    ``numel - r * (numel // 8)`` elements of its input (``trimmed``), and its piece is checked
+    against them. The gathered size ``memory`` reports stays the longest rank's times the world."""
+    gather.trimmed = True  # type: ignore[attr-defined]
+    return gather
+
+
+def trimmed(rank: int, tensor: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s share of ``tensor`` on an ``uneven`` path: rank 0 the whole, each later rank an eighth less."""
+    return tensor[:tensor.numel() - rank * (tensor.numel() // 8)]
+
+
+def uneven_pieces(result: torch.Tensor) -> Pieces:
+    """The pieces of the concatenation of every rank's ``trimmed`` share, by rank: the lengths follow
+    from the total (rank 0's length ``n`` is a multiple of 8; rank ``r`` has ``n - r * n // 8``)."""
+    flat = result.detach().reshape(-1)
+    first = flat.numel() * 16 // (16 * WORLD - WORLD * (WORLD - 1))
+    lengths = [first - rank * (first // 8) for rank in range(WORLD)]
+    assert sum(lengths) == flat.numel(), (lengths, flat.numel())
+    return dict(enumerate(flat.split(lengths)))
+
+
 def memory_paths(library: str) -> Dict[str, Callable[..., Pieces]]:
     """LIBRARY's call paths for ``memory``, by the name docs/libraries.md gives each, its default first.
 
@@ -198,15 +221,20 @@ def memory(library: str) -> Dict[str, Any]:
         raise SystemExit(f"{library} has no memory path {name!r}: {', '.join(paths)}")
     gather = paths[name]
     prepare: Callable[[torch.Tensor], Any] = getattr(gather, "prepare", lambda tensor: tensor)
+
+    def share(rank: int, numel: int) -> torch.Tensor:
+        tensor = memory_input(rank, numel)
+        return trimmed(rank, tensor) if getattr(gather, "trimmed", False) else tensor
+
     numel = int(os.environ.get("MEMGATHER_JOB_MIB", "196")) << 18
-    argument = prepare(memory_input(RANK, numel))
-    gather(prepare(memory_input(RANK, 1 << 18)))  # first-call costs are not the gather's
+    argument = prepare(share(RANK, numel))
+    gather(prepare(share(RANK, 1 << 18)))  # first-call costs are not the gather's
     dist.barrier()
     rss.reset_peak()
     before = rss.current_bytes()
     pieces = gather(argument)
     growth = rss.peak_bytes() - before
-    correct = all(torch.equal(torch.cat(piece) if isinstance(piece, list) else piece, memory_input(rank, numel))
+    correct = all(torch.equal(torch.cat(piece) if isinstance(piece, list) else piece, share(rank, numel))
                   for rank, piece in pieces.items())
     return {"path": name, "paths": list(paths), "growth": growth, "gathered": numel * 4 * WORLD,
             "correct": correct, "checked": sorted(pieces)}

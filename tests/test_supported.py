@@ -26,7 +26,7 @@ TARGETS = (ROOT / "docs" / "targets.md").read_text()
 FIGURES = json.loads((ROOT / "integration" / "figures.json").read_text())
 # Top-level packages a pinned distribution ships besides its own name.
 SHIPS = {"pytorch-lightning": ("pytorch_lightning", "lightning_fabric"), "open_clip_torch": ("open_clip",)}
-NOT_THE_LIBRARY = ("pytest", "torch", "torchvision")
+NOT_THE_LIBRARY = ("pytest", "torch", "torchvision", "scikit-learn")
 
 
 def _environments() -> Dict[str, configparser.SectionProxy]:

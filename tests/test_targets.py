@@ -129,7 +129,8 @@ def test_gate_reads_version_of_an_imported_module_without_metadata(installed: Pa
 
 def test_builtin_registry_is_complete_data() -> None:
     names = {t.family_name for t in targets.BUILTIN}
-    assert names == {"accelerate", "deepspeed", "transformers", "torchmetrics", "lightning", "open_clip", "mmengine"}
+    assert names == {"accelerate", "deepspeed", "transformers", "torchmetrics", "lightning", "open_clip", "mmengine",
+                     "ignite", "monai"}
     for target in targets.BUILTIN:
         assert target.prefixes and target.distribution and target.versions and target.note
     lightning = targets.select(["lightning"])

@@ -103,6 +103,22 @@ BUILTIN: Tuple[Target, ...] = (
         "dist.all_gather: empty_like slots returned as a list; all_gather_object / collect_results(device='gpu'): "
         "torch's all_gather_object (adjacent views of one buffer)",
     ),
+    Target(
+        "ignite",
+        ("ignite",),
+        "pytorch-ignite",
+        ">=0.4,<0.6",
+        "native backend's _do_all_gather (idist.all_gather, EpochMetric.compute): zeros_like slots, the gather "
+        "in either branch of an if, torch.cat; _get_all_hostnames: zeros_like slots read one by one",
+    ),
+    Target(
+        "monai",
+        ("monai",),
+        "monai",
+        ">=0.6,<2",
+        "utils.dist.evenly_divisible_all_gather without ignite: zeros_like slots padded to the longest rank, "
+        "returned as slices (then torch.cat with concat=True); with ignite installed it gathers through ignite",
+    ),
 )
 
 _BY_NAME: Dict[str, Tuple[Target, ...]] = {}

@@ -355,6 +355,20 @@ def refused_comprehension_after(tensor: torch.Tensor) -> Tuple[torch.Tensor, Lis
     return result, [s.sum() for s in slots]
 
 
+def refused_monai_slices(tensor: torch.Tensor, concat: bool = True) -> Any:
+    """MONAI's evenly_divisible_all_gather: a nested function returns slices of the slots, which
+    its caller may concatenate: not a cat of the gathered list (the slots are still rebound)."""
+    length = tensor.shape[0]
+
+    def _torch_all_gather(data: torch.Tensor) -> List[torch.Tensor]:
+        output = [torch.zeros_like(data) for _ in range(dist.get_world_size())]
+        dist.all_gather(output, data)
+        return [o[:length, ...] for o in output]
+
+    output = _torch_all_gather(tensor)
+    return torch.cat(output, dim=0) if concat else output
+
+
 def refused_not_fresh(tensor: torch.Tensor) -> torch.Tensor:
     kept = torch.zeros_like(tensor)
     slots = [kept, torch.empty_like(tensor)]

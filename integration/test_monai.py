@@ -1,0 +1,59 @@
+"""MONAI, unedited: evenly_divisible_all_gather, Cumulative and ROCAUCMetric on 2 gloo ranks.
+
+The scenarios are in integration/job_monai.py, which also says how monai 1.6.1 calls
+torch.distributed.all_gather, by one of two paths: its own (``tox -e monai``) or
+Ignite's (``tox -e monai-ignite``). Per rank and run, 20 calls reach memgather
+either way: each evenly_divisible_all_gather gathers the lengths, then the data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from integration.harness import compare, memory_growth, proof_verdicts
+
+IGNITE = importlib.util.find_spec("ignite") is not None
+TORCH_PATH = "monai.utils.dist:evenly_divisible_all_gather.<locals>._torch_all_gather"
+
+
+def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
+    runs = compare("monai", tmp_path)
+    assert runs["torch"].results[0]["path"][0][2] == runs["memgather"].results[0]["path"][0][2]
+    for report in runs["memgather"].reports.values():
+        # Over gloo's 2 MiB per rank: the uneven, concatenated and even gathers, and the
+        # Cumulative buffer's. The lengths, float16, 0-d, string and ROC buffers stay under it.
+        assert report.calls == 20 and report.rewired == 4, report.line
+        # Through Ignite, the slots are rebound to one buffer and _do_all_gather's cat returns it.
+        # MONAI's own path slices its slots (no cat of the whole list follows), so on gloo they
+        # are filled where they lie.
+        assert report.strategies == {"rebind" if IGNITE else "in_slots": 4, "fallback": 16}, report.line
+        assert report.elided == (4 if IGNITE else 0), report.line
+    for report in runs["verify"].reports.values():
+        assert report.calls == 20 == report.rewired == report.verified, report.line
+
+
+def test_the_torch_path_is_not_proven() -> None:
+    """MONAI's own path returns slices of its slots: filled in place, never elided."""
+    verdicts = {name: verdict for name, verdict in proof_verdicts("monai").items() if name == TORCH_PATH}
+    assert len(verdicts) == 1 and not any(verdict.proven for verdict in verdicts.values()), verdicts
+
+
+def test_peak_memory_of_uneven_gathers(tmp_path: Path) -> None:
+    """24 MiB per rank on rank 0, 21 on rank 1, which pads a copy of its input to rank 0's
+    length first (``pad``: half the gathered size at 2 ranks). The model (docs/libraries.md),
+    g the gathered size: concat=False peaks at pad + 2 g unpatched (the slots and gloo's
+    temporary) and pad + g with MEMGATHER=1 (the slots, or through Ignite the one buffer).
+    concat=True adds a cat of the slices, a copy under either: g + the cat's 15/16 g with
+    MEMGATHER=1, never above torch's (through Ignite too: MONAI slices its elided cat)."""
+    for path in ("evenly_divisible_all_gather(concat=False)", "evenly_divisible_all_gather(concat=True)"):
+        for rank, (theirs, mine) in enumerate(memory_growth("monai", tmp_path, 24, path=path)):
+            gathered = mine["gathered"]
+            pad = gathered / 2 if rank else 0
+            print(f"monai {path} rank {rank}: {theirs['growth'] / gathered:.3f} x -> "
+                  f"{mine['growth'] / gathered:.3f} x gathered ({mine['growth'] / theirs['growth']:.3f})")
+            assert theirs["growth"] >= 0.97 * (pad + 2 * gathered), (rank, theirs)
+            if path.endswith("(concat=False)"):
+                assert mine["growth"] <= pad + 1.05 * gathered, (rank, mine)
+            else:
+                assert mine["growth"] <= min(theirs["growth"] * 1.02, 2 * gathered), (rank, theirs, mine)
