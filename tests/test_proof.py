@@ -219,6 +219,39 @@ def test_a_dropped_list_is_elided_in_any_block(pools: Any, generated: Path, bloc
         assert run["elided"] == 1, run
 
 
+_MATCH_CAPTURE = """\
+import torch
+import torch.distributed as dist
+
+from tests.sites.proof_cases import CAT_KEPT
+from tests.sites.proof_cases import cat as keeping
+
+
+def case(tensor, flag=True):
+    from torch import cat
+
+    match keeping:
+        case cat:
+            pass
+    slots = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = cat(slots)
+    result.mul_(0)
+    return result, CAT_KEPT.pop()[0]
+"""
+
+
+@needs_rebind
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="match statements: Python 3.10+")
+def test_a_name_a_match_captures_is_not_taken_for_its_import(pools: Any, generated: Path) -> None:
+    """``case cat:`` rebinds the imported name to whatever was matched (here a cat that keeps its
+    inputs): the proof must not follow the import."""
+    verdict, runs = _run_generated(pools, generated, _MATCH_CAPTURE)
+    assert not verdict.proven, verdict
+    for run in runs:
+        assert run["memgather"] == run["torch"] and run["elided"] == 0, run
+
+
 # The same proof on every Python the project supports: their syntax trees differ.
 
 _PYTHONS = ["3.9", "3.10", "3.11", "3.12", "3.13"]

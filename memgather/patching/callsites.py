@@ -23,7 +23,7 @@ import ast
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from memgather.patching import proof, sources
 
@@ -195,8 +195,10 @@ def _absolute(node: ast.ImportFrom, package: str) -> Optional[str]:
 
 
 def _resolver(function: ast.FunctionDef, module_names: Dict[str, str], package: str) -> proof.Resolve:
-    own = _imports(list(function.body), package)
-    assigned = _bound_otherwise(function) - set(own)
+    imported = proof.imported_only(function, lambda node: _absolute(node, package))
+    own = {name: f"{module}.{attribute}" if attribute else module for name, (module, attribute) in imported.items()}
+    # Every other name the function binds, in any way (an import of two objects included), is its own.
+    assigned = {name for node in ast.walk(function) for name, _ in proof.bindings(node, lambda node: None)} - set(own)
 
     def resolve(expression: ast.expr) -> Optional[str]:
         parts: List[str] = []
@@ -219,12 +221,3 @@ _CANONICAL = {
     "torch.distributed.distributed_c10d.all_gather": "torch.distributed.all_gather",
     "torch.distributed.nn.functional.all_gather": "torch.distributed.nn.all_gather",
 }
-
-
-def _bound_otherwise(function: ast.FunctionDef) -> Set[str]:
-    """Names the function binds other than by import (its parameters included)."""
-    names = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
-    for node in ast.walk(function):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            names.add(node.id)
-    return names

@@ -440,3 +440,67 @@ def calls_at(function: ast.AST, line: int, position: Optional[Tuple[int, int, in
 def _mangled(name: str) -> bool:
     """``__name`` inside a class body means ``_Class__name`` at run time: not what a resolver looks up."""
     return name.startswith("__") and not name.endswith("__")
+
+
+Source = Tuple[str, str]  # (module, attribute; "" for the module itself)
+
+
+def imported_only(function: ast.AST, module_of: Callable[[ast.ImportFrom], Optional[str]]) -> Dict[str, Source]:
+    """Names the function binds by imports alone -> what they import (``module_of``: the module
+    a ``from`` import reads, None where it cannot be told).
+
+    A name qualifies only where every binding of it anywhere in the function (nested scopes
+    included, whose bindings a walk cannot always tell from the function's own) is an import of
+    one and the same object, and at least one of those imports is in the function's own scope:
+    so ``try: from a import cat`` / ``except ImportError: from torch import cat`` (two objects),
+    an import in a nested function only, an import whose module cannot be told, a ``match``
+    capture, an ``except ... as`` name or a ``global`` declaration of the name each leave it
+    unresolved.
+    """
+    sources: Dict[str, Set[Source]] = {}
+    own: Set[str] = set()
+    other: Set[str] = set()
+    stack: List[Tuple[ast.AST, bool]] = [(child, False) for child in ast.iter_child_nodes(function)]
+    while stack:
+        node, inside = stack.pop()
+        for name, source in bindings(node, module_of):
+            if source is None:
+                other.add(name)
+            else:
+                sources.setdefault(name, set()).add(source)
+                if not inside:
+                    own.add(name)
+        below = inside or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
+        stack.extend((child, below) for child in ast.iter_child_nodes(node))
+    return {
+        name: next(iter(found))
+        for name, found in sources.items()
+        if name in own and name not in other and len(found) == 1
+    }
+
+
+def bindings(node: ast.AST, module_of: Callable[[ast.ImportFrom], Optional[str]]) -> List[Tuple[str, Optional[Source]]]:
+    """The names ``node`` itself binds, each with what its import reads (``imported_only``), else None."""
+    if isinstance(node, ast.ImportFrom):
+        module = module_of(node)
+        return [(alias.asname or alias.name, None if module is None else (module, alias.name)) for alias in node.names]
+    if isinstance(node, ast.Import):
+        found: List[Tuple[str, Optional[Source]]] = []
+        for alias in node.names:
+            # ``import a.b`` binds the top-level module ``a``; ``import a.b as c`` binds ``a.b`` to ``c``.
+            module = alias.name if alias.asname else alias.name.split(".")[0]
+            found.append((alias.asname or module, (module, "")))
+        return found
+    if isinstance(node, ast.Name):
+        return [(node.id, None)] if isinstance(node.ctx, (ast.Store, ast.Del)) else []
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [(node.name, None)]
+    if isinstance(node, ast.arg):
+        return [(node.arg, None)]
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return [(name, None) for name in node.names]
+    # An ``except ... as`` name, and a ``match`` capture (MatchAs, MatchStar: name; MatchMapping: rest).
+    if isinstance(node, ast.ExceptHandler) or type(node).__name__ in ("MatchAs", "MatchStar", "MatchMapping"):
+        names = (getattr(node, field, None) for field in ("name", "rest"))
+        return [(name, None) for name in names if isinstance(name, str)]
+    return []

@@ -265,7 +265,7 @@ class _Resolver:
     def __init__(self, frame: FrameType, bindings: List[Tuple[Any, str, Any]], function: ast.AST) -> None:
         code = frame.f_code
         self.local = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
-        self.imported = _imported_only(function)
+        self.imported = proof.imported_only(function, _absolute_only)
         self.namespace = frame.f_globals
         self.builtins = frame.f_builtins
         self.bindings = bindings
@@ -310,25 +310,6 @@ class _Resolver:
         return None if thing is _MISSING else thing
 
 
-def _imported_only(function: ast.AST) -> Dict[str, Tuple[str, str]]:
-    """Names the function binds by absolute imports alone -> (module, attribute; "" for the module)."""
-    found: Dict[str, Tuple[str, str]] = {}
-    other = set()
-    for node in ast.walk(function):
-        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            for alias in node.names:
-                if alias.name != "*":
-                    found[alias.asname or alias.name] = (node.module, alias.name)
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.asname:
-                    found[alias.asname] = (alias.name, "")
-                else:
-                    other.add(alias.name.split(".")[0])  # binds the top package: not followed
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            other.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not function:
-            other.add(node.name)
-        elif isinstance(node, ast.arg):
-            other.add(node.arg)
-    return {name: where for name, where in found.items() if name not in other}
+def _absolute_only(node: ast.ImportFrom) -> Optional[str]:
+    """The module a live frame's ``from`` import reads: absolute imports only (a relative one is not followed)."""
+    return None if node.level else node.module

@@ -369,6 +369,44 @@ def refused_monai_slices(tensor: torch.Tensor, concat: bool = True) -> Any:
     return torch.cat(output, dim=0) if concat else output
 
 
+CAT_KEPT: List[Any] = []
+
+
+def cat(tensors: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Not torch's cat: one that keeps its inputs (a memo, a debug log), as a module's own may."""
+    CAT_KEPT.append(tensors)
+    return torch.cat(tensors, dim)
+
+
+def refused_import_in_a_nested_function(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The nested function's import binds its own ``cat``: this function's is the module's."""
+
+    def on_host(x: torch.Tensor) -> torch.Tensor:
+        from torch import cat
+
+        return cat([x])
+
+    on_host(tensor)
+    slots = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = cat(slots)
+    result.mul_(0)
+    return result, CAT_KEPT.pop()[0]
+
+
+def refused_import_with_a_fallback(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two imports of one name, of two objects: which one ran, the code cannot say."""
+    try:
+        from tests.sites.proof_cases import cat
+    except ImportError:
+        from torch import cat
+    slots = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    result = cat(slots)
+    result.mul_(0)
+    return result, CAT_KEPT.pop()[0]
+
+
 def refused_not_fresh(tensor: torch.Tensor) -> torch.Tensor:
     kept = torch.zeros_like(tensor)
     slots = [kept, torch.empty_like(tensor)]
