@@ -293,6 +293,11 @@ def table(results: Dict[str, float]) -> str:
         f"memgather's own Python beyond the torch calls it makes: {own_rebind:+.2f} us (rebind), "
         f"{own_direct:+.2f} us (direct slots)"
     )
+    lines.append(
+        f"as a multiple of torch's own list call in this run ({results['torch']:.2f} us): "
+        f"{own_rebind / results['torch']:.2f} x (rebind), "
+        f"{own_direct / results['direct slots: torch']:.2f} x (direct slots)"
+    )
     return "\n".join(lines)
 
 

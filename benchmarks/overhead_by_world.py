@@ -4,10 +4,14 @@
 
 For each world size, in a fresh process on torch's no-op ``fake`` backend (so the
 collective itself costs nothing), a gather of fresh 4 KiB slots is timed under
-torch's ``all_gather`` and under ``memgather.all_gather`` (every call rewired:
-``MEMGATHER_NCCL_MIN_BYTES=0``), taking turns for 7 rounds; it prints the medians,
-memgather's excess and the least-squares line excess = a + b x world that the NCCL
-threshold's rule uses (``memgather.engine.routes``). memgather has no route for a
+torch's ``all_gather``, under ``memgather.all_gather`` (every call rewired:
+``MEMGATHER_NCCL_MIN_BYTES=0``) and as the torch calls a rebind makes, done by hand
+(each slot's storage released, one flat buffer, each slot pointed into it, the
+single-tensor call), taking turns for 7 rounds. It prints the medians; memgather's
+excess over torch's list call, and the least-squares line excess = a + b x world that
+the NCCL threshold's rule uses (``memgather.engine.routes``); and memgather's own
+Python (its call less the rebind's torch calls), as a multiple of torch's list call in
+the same process, with its own line own = a + b x world (b: what each further rank adds). memgather has no route for a
 backend that moves nothing, so each process gives the fake backend legacy NCCL's, as
 ``benchmarks/overhead.py`` does (``treat_fake_as_legacy_nccl``): what is timed is
 memgather's own Python.
@@ -37,22 +41,32 @@ import memgather
 from benchmarks.overhead import treat_fake_as_legacy_nccl
 treat_fake_as_legacy_nccl()  # memgather has no route for the fake backend: legacy NCCL's, in this process
 tensor = torch.ones(1024)
+single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def by_hand(slots, tensor):
+    for slot in slots:
+        slot.set_()
+    flat = torch.empty((len(slots) * tensor.shape[0],), dtype=tensor.dtype)
+    storage = flat.untyped_storage()
+    for index, slot in enumerate(slots):
+        slot.set_(storage, index * tensor.shape[0], tensor.shape, tensor.stride())
+    single(flat, tensor)
 def run(gather):
     started = time.perf_counter()
     for _ in range(calls):
         gather([torch.empty_like(tensor) for _ in range(world)], tensor)
     return (time.perf_counter() - started) / calls * 1e6
-times = {"torch": [], "memgather": []}
+times = {"torch": [], "memgather": [], "by_hand": []}
 for _ in range(7):
     times["torch"].append(run(dist.all_gather))
     times["memgather"].append(run(memgather.all_gather))
+    times["by_hand"].append(run(by_hand))
 assert memgather.stats().rewired == 7 * calls, memgather.stats()
 print(json.dumps({name: statistics.median(values) for name, values in times.items()}))
 """
 
 
-def measure(world: int, calls: int) -> Tuple[float, float]:
-    """Median microseconds per call, torch's and memgather's, at ``world`` ranks."""
+def measure(world: int, calls: int) -> Tuple[float, float, float]:
+    """Median microseconds per call at ``world`` ranks: torch's, memgather's, and the rebind's torch calls by hand."""
     env = {**os.environ, "MEMGATHER_NCCL_MIN_BYTES": "0", "TORCH_DISTRIBUTED_DEBUG": "OFF"}
     done = subprocess.run(
         [sys.executable, "-c", _ONE_WORLD, str(world), str(calls), ROOT],
@@ -63,7 +77,7 @@ def measure(world: int, calls: int) -> Tuple[float, float]:
         check=True,
     )
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    return row["torch"], row["memgather"]
+    return row["torch"], row["memgather"], row["by_hand"]
 
 
 def fit(points: List[Tuple[int, float]]) -> Tuple[float, float]:
@@ -81,15 +95,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--worlds", default="2,8,16,64", help="comma-separated world sizes (default 2,8,16,64)")
     parser.add_argument("--calls", type=int, default=2000, help="calls per round (default 2000)")
     args = parser.parse_args(argv)
-    points = []
-    print(f"{'ranks':>6} {'torch us':>10} {'memgather us':>13} {'excess us':>10}")
+    points, own = [], []
+    print(
+        f"{'ranks':>6} {'torch us':>10} {'memgather us':>13} {'excess us':>10} {'rebind by hand us':>18} "
+        f"{'own us':>7} {'own / torch':>12}"
+    )
     for world in (int(w) for w in args.worlds.split(",")):
-        torchs, ours = measure(world, args.calls)
+        torchs, ours, by_hand = measure(world, args.calls)
         points.append((world, ours - torchs))
-        print(f"{world:>6} {torchs:>10.1f} {ours:>13.1f} {ours - torchs:>10.1f}")
+        own.append((world, ours - by_hand))
+        print(
+            f"{world:>6} {torchs:>10.1f} {ours:>13.1f} {ours - torchs:>10.1f} {by_hand:>18.1f} "
+            f"{ours - by_hand:>7.1f} {(ours - by_hand) / torchs:>11.2f}x"
+        )
     if len(points) > 1:
         a, b = fit(points)
         print(f"excess ~= {a:.1f} us + {b:.2f} us x ranks")
+        a, b = fit(own)
+        print(f"memgather's own Python ~= {a:.1f} us + {b:.2f} us x ranks")
     return 0
 
 
