@@ -10,12 +10,15 @@ with which, and the error raised, if any.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from typing import Any, Dict, List
 
 import torch
 
 import memgather
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
 def observe(value: Any) -> Dict[str, Any]:
@@ -28,7 +31,8 @@ def observe(value: Any) -> Dict[str, Any]:
             return ("tensor", str(thing.dtype), tuple(thing.shape), thing.requires_grad, thing.detach().tolist())
         if isinstance(thing, (list, tuple)):
             return (type(thing).__name__, [walk(item) for item in thing])
-        return repr(thing)
+        # An object's default repr names its address, which differs between two runs: not observable.
+        return _ADDRESS.sub("0x?", repr(thing))
 
     shape = walk(value)
     # Which results share memory with which (by storage), as torch left them.
