@@ -145,3 +145,18 @@ def test_recorded_figures_are_whole(name: str) -> None:
     assert figures["paths"] and figures["torch"] and figures["library"], name
     for path in figures["paths"]:
         assert path["torch"] > 0 and path["memgather"] > 0 and abs(path["ratio"] - path["memgather"] / path["torch"]) < 0.01, path
+
+
+def test_the_newest_environment_upgrades_every_builtin_target() -> None:
+    """``tox -e newest`` is how a maintainer learns that a release changed a call site: it must
+    install the newest release of every built-in target (open_clip's needs torchvision's torch)."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    upgrade = next(line for line in tox["testenv:newest"]["commands_pre"].splitlines() if "--upgrade" in line)
+    installed = {name.replace("_", "-").lower() for name in upgrade.split()}
+    shipped = {top.replace("_", "-") for dist, tops in SHIPS.items() if dist in installed for top in tops}
+    for target in targets.BUILTIN:
+        name = str(target.distribution).replace("_", "-").lower()
+        if target.family_name == "open_clip":
+            continue
+        assert name in installed or name in shipped, f"tox -e newest does not upgrade {target.distribution}"
