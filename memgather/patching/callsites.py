@@ -198,7 +198,7 @@ def _resolver(function: ast.FunctionDef, module_names: Dict[str, str], package: 
     imported = proof.imported_only(function, lambda node: _absolute(node, package))
     own = {name: f"{module}.{attribute}" if attribute else module for name, (module, attribute) in imported.items()}
     # Every other name the function binds, in any way (an import of two objects included), is its own.
-    assigned = {name for node in ast.walk(function) for name, _ in proof.bindings(node, lambda node: None)} - set(own)
+    assigned = {name for node in ast.walk(function) for name, _ in proof.bindings(node, lambda _: None)} - set(own)
 
     def resolve(expression: ast.expr) -> Optional[str]:
         parts: List[str] = []

@@ -357,7 +357,8 @@ def refused_comprehension_after(tensor: torch.Tensor) -> Tuple[torch.Tensor, Lis
 
 def refused_monai_slices(tensor: torch.Tensor, concat: bool = True) -> Any:
     """MONAI's evenly_divisible_all_gather: a nested function returns slices of the slots, which
-    its caller may concatenate: not a cat of the gathered list (the slots are still rebound)."""
+    its caller may concatenate: not a cat of the gathered list (the call is still rewired, its slots
+    filled where they lie)."""
     length = tensor.shape[0]
 
     def _torch_all_gather(data: torch.Tensor) -> List[torch.Tensor]:
