@@ -18,7 +18,10 @@ call ``all_gather`` of two 4 KiB slots (the calls are in ``benchmarks/user_code.
 - non-target: memgather patched, the caller not a target;
 - below threshold: the caller a target, the call under the NCCL threshold
   (what a small NCCL call costs: it goes to torch at once);
-- rewired (rebind): the threshold set to 0, fresh slots rebound to one buffer;
+- rewired (rebind): the threshold set to 0, fresh slots rebound to one buffer, the
+  call site's kept plan taken (``memgather.engine.kept``), as in a loop;
+- rewired (rebind), planned in full: the same with no plan kept, as a call site's
+  first call is, and every CUDA call;
 - torch's calls of a rebind: the torch operations a rebind makes (release the
   slots, allocate the buffer, point the slots into it, the single-tensor call),
   with none of memgather's checks: what any rebind costs, memgather or not;
@@ -59,6 +62,23 @@ _BASES: Dict[str, str] = {
     "Function: non-target": "Function: torch",
     "Function: rewired": "Function: torch",
 }
+
+
+# The rebind again, with no plan kept on the call site: every call planned in full, as a site's
+# first call is, and every CUDA call (memgather keeps the plans of CPU calls only).
+_FULL = "rewired (rebind), planned in full"
+
+
+@contextlib.contextmanager
+def _planned_in_full() -> Iterator[None]:
+    """No plan is kept on a call site in the block (``memgather.engine.kept``)."""
+    from memgather.engine import kept
+
+    def keep_nothing(site: Any, call: Any, plan: Any) -> None:
+        site.kept = None
+
+    with _replaced(kept, "keep", keep_nothing):
+        yield
 
 
 # What a variant times under: unpatched, the bare wrapper, or memgather patched for a target.
@@ -147,6 +167,7 @@ def measure(calls: int = DEFAULT_CALLS, rounds: int = DEFAULT_ROUNDS) -> Dict[st
         ("non-target", _NO_TARGET, False, lambda: user_code.call(tensor)),
         ("below threshold", "*", False, lambda: user_code.call(tensor)),
         ("rewired (rebind)", "*", True, lambda: user_code.call(tensor)),
+        (_FULL, "*", True, lambda: user_code.call(tensor)),
         ("torch's calls of a rebind", _TORCH, True, lambda: _rebind_by_hand(tensor)),
         ("direct slots: torch", _TORCH, True, lambda: user_code.into(direct, tensor)),
         ("direct slots: rewired", "*", True, lambda: user_code.into(direct, tensor)),
@@ -161,7 +182,11 @@ def measure(calls: int = DEFAULT_CALLS, rounds: int = DEFAULT_ROUNDS) -> Dict[st
         try:
             for _ in range(rounds):
                 for name, runs, zero, call in variants:
-                    with _environment("MEMGATHER_NCCL_MIN_BYTES", "0" if zero else None), _running(runs) as rewired:
+                    with (
+                        _environment("MEMGATHER_NCCL_MIN_BYTES", "0" if zero else None),
+                        _running(runs) as rewired,
+                        _planned_in_full() if name == _FULL else contextlib.nullcontext(),
+                    ):
                         times[name].append(_time(call, calls))
                     if runs not in (_TORCH, _BARE):
                         counts[name] = counts.get(name, 0) + rewired()
@@ -293,10 +318,15 @@ def table(results: Dict[str, float]) -> str:
         f"memgather's own Python beyond the torch calls it makes: {own_rebind:+.2f} us (rebind), "
         f"{own_direct:+.2f} us (direct slots)"
     )
+    own_full = results[_FULL] - results["torch's calls of a rebind"]
     lines.append(
         f"as a multiple of torch's own list call in this run ({results['torch']:.2f} us): "
         f"{own_rebind / results['torch']:.2f} x (rebind), "
         f"{own_direct / results['direct slots: torch']:.2f} x (direct slots)"
+    )
+    lines.append(
+        f"a rebind planned in full (a call site's first call; every CUDA call): {own_full:+.2f} us, "
+        f"{own_full / results['torch']:.2f} x"
     )
     return "\n".join(lines)
 

@@ -5,7 +5,9 @@
 For each world size, in a fresh process on torch's no-op ``fake`` backend (so the
 collective itself costs nothing), a gather of fresh 4 KiB slots is timed under
 torch's ``all_gather``, under ``memgather.all_gather`` (every call rewired:
-``MEMGATHER_NCCL_MIN_BYTES=0``) and as the torch calls a rebind makes, done by hand
+``MEMGATHER_NCCL_MIN_BYTES=0``; planned in full, as every CUDA call is), from a
+target's call site under ``patch()`` (its plan kept, as in a loop:
+``memgather.engine.kept``) and as the torch calls a rebind makes, done by hand
 (each slot's storage released, one flat buffer, each slot pointed into it, the
 single-tensor call), taking turns for 7 rounds. It prints the medians; memgather's
 excess over torch's list call, and the least-squares line excess = a + b x world that
@@ -55,18 +57,28 @@ def run(gather):
     for _ in range(calls):
         gather([torch.empty_like(tensor) for _ in range(world)], tensor)
     return (time.perf_counter() - started) / calls * 1e6
-times = {"torch": [], "memgather": [], "by_hand": []}
+# A call site of a target, through the wrapper: its plan kept from its first call on, as in a loop.
+exec(compile("import torch.distributed as dist\ndef gather(slots, tensor):\n    dist.all_gather(slots, tensor)\n",
+             "<user>", "exec"), user := {"__name__": "user_code"})
+def kept(slots, tensor):
+    user["gather"](slots, tensor)
+times = {"torch": [], "memgather": [], "by_hand": [], "kept": []}
 for _ in range(7):
     times["torch"].append(run(dist.all_gather))
     times["memgather"].append(run(memgather.all_gather))
     times["by_hand"].append(run(by_hand))
-assert memgather.stats().rewired == 7 * calls, memgather.stats()
+    memgather.patch(["user_code"])
+    times["kept"].append(run(kept))
+    memgather.unpatch()
+assert memgather.stats().rewired == 2 * 7 * calls, memgather.stats()
 print(json.dumps({name: statistics.median(values) for name, values in times.items()}))
 """
 
 
-def measure(world: int, calls: int) -> Tuple[float, float, float]:
-    """Median microseconds per call at ``world`` ranks: torch's, memgather's, and the rebind's torch calls by hand."""
+def measure(world: int, calls: int) -> Tuple[float, float, float, float]:
+    """Median microseconds per call at ``world`` ranks: torch's, memgather's planned in full
+    (``memgather.all_gather``, as every CUDA call is), the rebind's torch calls by hand, and
+    memgather's from a target's call site through the wrapper, its plan kept (as in a loop)."""
     env = {**os.environ, "MEMGATHER_NCCL_MIN_BYTES": "0", "TORCH_DISTRIBUTED_DEBUG": "OFF"}
     done = subprocess.run(
         [sys.executable, "-c", _ONE_WORLD, str(world), str(calls), ROOT],
@@ -77,7 +89,7 @@ def measure(world: int, calls: int) -> Tuple[float, float, float]:
         check=True,
     )
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    return row["torch"], row["memgather"], row["by_hand"]
+    return row["torch"], row["memgather"], row["by_hand"], row["kept"]
 
 
 def fit(points: List[Tuple[int, float]]) -> Tuple[float, float]:
@@ -95,24 +107,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--worlds", default="2,8,16,64", help="comma-separated world sizes (default 2,8,16,64)")
     parser.add_argument("--calls", type=int, default=2000, help="calls per round (default 2000)")
     args = parser.parse_args(argv)
-    points, own = [], []
+    points, own, own_kept = [], [], []
+    print("planned in full: memgather.all_gather (every CUDA call); kept: a target's call site, its plan kept")
     print(
         f"{'ranks':>6} {'torch us':>10} {'memgather us':>13} {'excess us':>10} {'rebind by hand us':>18} "
-        f"{'own us':>7} {'own / torch':>12}"
+        f"{'own us':>7} {'own / torch':>12} {'kept us':>8} {'own kept us':>12} {'own kept / torch':>17}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
-        torchs, ours, by_hand = measure(world, args.calls)
+        torchs, ours, by_hand, kept = measure(world, args.calls)
         points.append((world, ours - torchs))
         own.append((world, ours - by_hand))
+        own_kept.append((world, kept - by_hand))
         print(
             f"{world:>6} {torchs:>10.1f} {ours:>13.1f} {ours - torchs:>10.1f} {by_hand:>18.1f} "
-            f"{ours - by_hand:>7.1f} {(ours - by_hand) / torchs:>11.2f}x"
+            f"{ours - by_hand:>7.1f} {(ours - by_hand) / torchs:>11.2f}x {kept:>8.1f} {kept - by_hand:>12.1f} "
+            f"{(kept - by_hand) / torchs:>16.2f}x"
         )
     if len(points) > 1:
         a, b = fit(points)
-        print(f"excess ~= {a:.1f} us + {b:.2f} us x ranks")
+        print(f"excess, planned in full ~= {a:.1f} us + {b:.2f} us x ranks")
         a, b = fit(own)
-        print(f"memgather's own Python ~= {a:.1f} us + {b:.2f} us x ranks")
+        print(f"memgather's own Python, planned in full ~= {a:.1f} us + {b:.2f} us x ranks")
+        a, b = fit(own_kept)
+        print(f"memgather's own Python, plan kept ~= {a:.1f} us + {b:.2f} us x ranks")
     return 0
 
 

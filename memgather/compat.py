@@ -371,6 +371,32 @@ def await_release(
         time.sleep(0)
 
 
+def hold(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``holds([tensor])`` of one tensor, the single-tensor route's buffer, read for ``await_release_of``
+    (called from the same frame: the Python references of that frame count alike in both)."""
+    if _use_count is None or not tensor.is_cpu:
+        return None
+    return _use_count(tensor.untyped_storage()._cdata), sys.getrefcount(tensor)
+
+
+def await_release_of(tensor: torch.Tensor, before: Optional[Tuple[int, int]], timeout_s: float = 5.0) -> None:
+    """``await_release([tensor], before=...)`` for one tensor, ``before`` read by ``hold``: the single
+    route's buffer, on every rewired call, reads its counts once where nothing holds it any more."""
+    if _tensor_use_count is None or not tensor.is_cpu:
+        return
+    deadline = None
+    # The reads are hold()'s, made at the same depth below the caller: its references count alike.
+    while _tensor_use_count(tensor) > 1 or (
+        before is not None
+        and (_use_count(tensor.untyped_storage()._cdata) > before[0] or sys.getrefcount(tensor) > before[1])  # type: ignore[misc]  # present: before was read
+    ):
+        now = time.monotonic()
+        deadline = deadline or now + timeout_s
+        if now > deadline:
+            return  # held for real: the proofs will refuse, which is safe
+        time.sleep(0)
+
+
 def can_set_version() -> bool:
     """Whether this torch lets memgather set a version counter (torch 2.0 on)."""
     return _set_versions is not None
@@ -429,6 +455,39 @@ with torch.inference_mode(False), outside_modes():
     _SOLE_CPU_FACTS = _cpu_storage_facts(torch.empty(1))[1:] if _use_count is not None else (0, 0)
 
 
+def rebindable_cpu_slot(tensor: torch.Tensor) -> bool:
+    """``cpu_slot_facts(tensor) == (True, True)`` for a plain CPU tensor, read in one pass: a kept
+    plan asks it of every slot of every call (only where can_prove_exclusive()).
+
+    The cheap reads come first; the counts are calibrated through this very function, as
+    ``_SOLE_CPU_FACTS`` is through ``_cpu_storage_facts``, since the references it adds are its own.
+    """
+    storage = tensor.untyped_storage()
+    return (
+        _use_count(storage._cdata) == _SOLE_REBINDABLE[0]  # type: ignore[misc]  # present: can_prove_exclusive()
+        and sys.getrefcount(storage) == _SOLE_REBINDABLE[1]
+        and _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_exclusive()
+        and storage.resizable()
+        and not storage.is_shared()
+        and not tensor.is_pinned()
+    )
+
+
+def _rebindable_counts(tensor: torch.Tensor) -> Tuple[int, int]:
+    # rebindable_cpu_slot's reads, with its references: its calibration.
+    storage = tensor.untyped_storage()
+    return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
+
+
+with torch.inference_mode(False), outside_modes():
+    _SOLE_REBINDABLE = _rebindable_counts(torch.empty(1)) if _use_count is not None else (-1, -1)
+
+# The dispatch keys of a tensor: its device type, layout, conjugate and negative bits, whether it is
+# an inference tensor or a functorch wrapper, in one read (a kept plan compares them per call).
+# None where this torch has no such read: no plan is kept there.
+dispatch_keys: Optional[Callable[[torch.Tensor], Any]] = getattr(torch._C, "_dispatch_keys", None)
+
+
 def _default_private_memory(tensor: torch.Tensor) -> bool:
     if not tensor.is_cpu:
         return False
@@ -464,16 +523,27 @@ increment_version: Callable[[torch.Tensor], None] = _find_increment_version()
 def _find_increment_versions() -> Callable[[Sequence[torch.Tensor]], None]:
     with torch.inference_mode(False), outside_modes():
         probe = torch.empty(0)
-    try:  # torch 2.4 on: a sequence, each tensor bumped once (a counter two of them share, twice)
-        increment_version((probe,))  # type: ignore[arg-type]  # the probe: does this torch take a sequence?
-        return increment_version  # type: ignore[return-value]  # it does: the same function takes both
-    except (TypeError, AttributeError):
+    # torch 2.4 on: torch.autograd.graph's function takes a sequence, each tensor bumped once (a
+    # counter two of them share, twice), and hands it to torch._C's, called here directly where
+    # it takes the sequence itself: once per rewired call, the Python wrapper's cost saved.
+    candidates: List[Any] = [getattr(torch._C, "_increment_version", None), increment_version]
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        try:
+            before = probe._version
+            candidate((probe,))  # the probe: does this function take a sequence?
+            if probe._version == before + 1:
+                taking_sequences: Callable[[Sequence[torch.Tensor]], None] = candidate
+                return taking_sequences
+        except (TypeError, AttributeError, RuntimeError):
+            continue
 
-        def one_by_one(tensors: Sequence[torch.Tensor]) -> None:
-            for tensor in tensors:
-                increment_version(tensor)
+    def one_by_one(tensors: Sequence[torch.Tensor]) -> None:
+        for tensor in tensors:
+            increment_version(tensor)
 
-        return one_by_one
+    return one_by_one
 
 
 # One call for all the slots of a gather: what torch's list call leaves, one bump per slot.

@@ -155,8 +155,8 @@ def test_bench_overhead_times_each_variant_as_named() -> None:
     """, {})
     names, header = out.strip().splitlines()
     assert names == str(sorted([
-        "torch", "bare wrapper", "non-target", "below threshold", "rewired (rebind)", "torch's calls of a rebind",
-        "direct slots: torch", "direct slots: rewired", "direct slots: single call alone", "Function: torch",
+        "torch", "bare wrapper", "non-target", "below threshold", "rewired (rebind)",
+        "rewired (rebind), planned in full", "torch's calls of a rebind", "direct slots: torch", "direct slots: rewired", "direct slots: single call alone", "Function: torch",
         "Function: non-target", "Function: rewired"]))
     assert header.split() == ["variant", "us/call", "added", "vs", "torch"]
 

@@ -2,7 +2,8 @@
 
     all_gather(tensor_list, tensor, ...)      memgather's own entry; the wrapper binds a caller's call
       -> call.bind                            the arguments, bound to torch's signature once
-      -> planner.plan                         the plan: strategy, route, agreement, or the reason to leave
+      -> planner.plan                         the plan: strategy, route, agreement, or the reason to leave;
+                                              a call site's kept plan where its facts hold (kept)
       -> agreement.poll / agreement.settle    where the plan says so: the ranks' one small exchange,
                                               and the only step that may turn the plan into another
       -> _WRITERS[plan.strategy]              carried out: lay out the output (slots), move the bytes
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from memgather import compat, config
-from memgather.engine import agreement, counters, elision, pages, planner, routes, slots, staged, verification
+from memgather.engine import agreement, counters, elision, kept, pages, planner, routes, slots, staged, verification
 from memgather.engine.call import Call
 from memgather.engine.plan import Plan
 from memgather.engine.reasons import Reason, Strategy
@@ -107,10 +108,14 @@ def all_gather(
     )
 
 
-def handle(call: Call) -> Any:
-    """Carry out one bound call: plan it, agree where the plan says so, execute the plan."""
+def handle(call: Call, site: Optional[kept.Site] = None) -> Any:
+    """Carry out one bound call: plan it, agree where the plan says so, execute the plan.
+
+    ``site``: the call site's holder of a kept plan (``memgather.engine.kept``), where the
+    call came through the wrapper.
+    """
     elision.disarm_reused(call.tensor_list)  # slots armed by an earlier gather are plain again first
-    plan = planner.plan(call)
+    plan = planner.plan(call, site)
     if plan.info is None:  # turned away before its group and slots were looked at: most calls, small ones
         return to_torch(plan.reason, call.args, call.kwargs)
     if compat.profiler_enabled():
@@ -175,7 +180,7 @@ def _rewire(plan: Plan, call: Call) -> Any:
     """Carry out a plan that rewires: its writer moves the bytes; the slots end as torch leaves them."""
     route, tensor_list = plan.route, call.tensor_list
     assert route is not None and plan.gathered is not None  # a plan that rewires has both
-    counters.record(_COUNTED[plan.strategy], route=route.name, saved=plan.gathered if route.saves_temp else 0)
+    counters.record(_COUNTED[plan.strategy], route.name, plan.gathered if route.saves_temp else 0)
     before = slots.versions(tensor_list)
     # Under torch the slots never carry autograd history: memgather's own copies must not add any.
     # Set directly rather than through torch.no_grad(): on the hot path of every rewired call.

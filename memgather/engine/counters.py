@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 # Re-entrant: a signal handler runs on the thread it interrupts, and one that reads
-# ``memgather.stats()`` (a progress dump on SIGUSR1) may land inside a count that holds the lock.
+# ``memgather.stats()`` (a progress dump on SIGUSR1) may land inside a block that holds the lock.
 _lock = threading.RLock()
-_strategies: Counter = Counter()
-_routes: Counter = Counter()
 
 
 class _Tally:
@@ -38,6 +35,11 @@ class _Tally:
         return int(repr(self._count)[6:-1])  # "count(n)"; pickling, the other way to read it, goes in Python 3.14
 
 
+# Every count is a _Tally, added to without the lock: a rewired call's own counts are on its
+# hot path too. The lock guards only the creation of a tally (its place in the table: where it
+# first came), the bytes saved, and reading.
+_strategies: Dict[str, _Tally] = {}  # strategy -> calls ("fallback": a place-holder, counted in _fallbacks)
+_routes: Dict[str, _Tally] = {}  # route -> calls
 _fallbacks: Dict[Optional[str], _Tally] = {}  # reason (None: unknown) -> fallback calls
 _bytes_saved = 0
 _verified = 0
@@ -92,11 +94,23 @@ class Stats:
 def record(strategy: str, route: Optional[str] = None, saved: int = 0) -> None:
     """Count one call memgather carried out (fallbacks: ``record_fallback``)."""
     global _bytes_saved
+    tally = _strategies.get(strategy)
+    (tally or _created(_strategies, strategy)).add()
+    if route is not None:
+        tally = _routes.get(route)
+        (tally or _created(_routes, route)).add()
+    if saved:
+        with _lock:
+            _bytes_saved += saved
+
+
+def _created(table: Dict[Any, _Tally], key: Any) -> _Tally:
+    """``table[key]``, created (empty) where it is not there yet; the caller adds to it."""
     with _lock:
-        _strategies[strategy] += 1
-        if route is not None:
-            _routes[route] += 1
-        _bytes_saved += saved
+        tally = table.get(key)
+        if tally is None:
+            tally = table[key] = _Tally()
+        return tally
 
 
 def record_fallback(reason: Optional[str]) -> None:
@@ -108,7 +122,8 @@ def record_fallback(reason: Optional[str]) -> None:
                 # Counted before a reader can see it: no snapshot shows a fallback count of 0.
                 _fallbacks[reason] = _Tally()
                 _fallbacks[reason].add()
-                _strategies.setdefault("fallback", 0)  # its place among the strategies: where it first came
+                if "fallback" not in _strategies:  # its place among the strategies: where it first came
+                    _strategies["fallback"] = _Tally()
                 return
             tally = _fallbacks[reason]
     tally.add()
@@ -125,12 +140,12 @@ def stats() -> Stats:
     """This process's counters, as an immutable snapshot."""
     with _lock:
         fallbacks = {reason: tally.value() for reason, tally in list(_fallbacks.items())}
-        strategies = dict(_strategies)
+        strategies = {name: tally.value() for name, tally in list(_strategies.items())}
         if "fallback" in strategies:
             strategies["fallback"] += sum(fallbacks.values())
         return Stats(
-            MappingProxyType(strategies),
-            MappingProxyType(dict(_routes)),
+            MappingProxyType({name: n for name, n in strategies.items() if n or name == "fallback"}),
+            MappingProxyType({name: n for name, n in ((k, t.value()) for k, t in list(_routes.items())) if n}),
             MappingProxyType({reason: n for reason, n in fallbacks.items() if reason is not None and n}),
             _bytes_saved,
             _verified,

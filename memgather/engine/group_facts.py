@@ -14,6 +14,7 @@ thresholds may change.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
@@ -88,7 +89,9 @@ def work_out(pg: Any, info: groups.GroupInfo, device_type: str) -> GroupFacts:
     dtypes = routes.dtypes_taken(backend, device_type)
     key = (id(pg), device_type)
     try:
-        reference = weakref.ref(pg, lambda ref: _forget(key, ref))
+        # The callback holds the table and the function it needs: a group freed at interpreter exit,
+        # after this module's globals are gone (a kept plan holds these facts until then), finds them.
+        reference = weakref.ref(pg, functools.partial(_forget, _table, key))
     except TypeError:  # a group object that takes no weak reference: worked out every time
         return GroupFacts(lambda: pg, info, limit, synchronous, single, elided, unelided, dtypes)
     facts = GroupFacts(reference, info, limit, synchronous, single, elided, unelided, dtypes)
@@ -104,9 +107,9 @@ def kept() -> int:
     return len(_table)
 
 
-def _forget(key: Tuple[int, str], reference: Any) -> None:
+def _forget(table: Dict[Tuple[int, str], GroupFacts], key: Tuple[int, str], reference: Any) -> None:
     """Drop the entry of a group just freed (its weak reference's callback; no lock: a collection
     may run it inside work_out's). Only if the entry is still that group's."""
-    facts = _table.get(key)
+    facts = table.get(key)
     if facts is not None and facts.group is reference:
-        _table.pop(key, None)
+        table.pop(key, None)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.overrides import has_torch_function
 
 from memgather import compat, config
-from memgather.engine import elision, group_facts, groups, routes, slots
+from memgather.engine import elision, group_facts, groups, kept, routes, slots
 from memgather.engine.call import Call
 from memgather.engine.group_facts import GroupFacts, lookup
 from memgather.engine.plan import Plan, turned_away
@@ -34,8 +34,12 @@ def configure(settings: config.Settings) -> None:
     group_facts.configure(settings)
 
 
-def plan(call: Call) -> Plan:
+def plan(call: Call, site: Optional[kept.Site] = None) -> Plan:
     """The call's plan: its strategy and route, whether the ranks agree first, or why torch takes it.
+
+    ``site``: the call site's holder of a kept plan (``memgather.engine.kept``), where the call
+    came through the wrapper. Its plan is taken where every fact it rests on holds; a plan made
+    in full here is kept on it where it qualifies.
 
     The first lines recognise what certainly goes to torch from cheap facts.
     Small calls are the most frequent kind and the ones where memgather's own
@@ -47,6 +51,10 @@ def plan(call: Call) -> Plan:
     seen before, a subclass, a malformed list, another backend) is planned in
     full, and such a call too ends with the original all_gather.
     """
+    if site is not None:
+        reused = kept.reuse(site, call)
+        if reused is not None:
+            return reused
     tensor = call.tensor
     if not call.check and type(tensor) is torch.Tensor:
         if compat.function_mode_active():
@@ -60,8 +68,15 @@ def plan(call: Call) -> Plan:
                 return turned_away(known.unelided)
             if gathered is not None and gathered < known.limit:
                 return _BELOW_THRESHOLD
-            return _plan(call, known, gathered)
-    return _plan(call)
+            return _kept(site, call, _plan(call, known, gathered))
+    return _kept(site, call, _plan(call))
+
+
+def _kept(site: Optional[kept.Site], call: Call, made: Plan) -> Plan:
+    """``made``, kept on ``site`` for the site's next calls where it qualifies."""
+    if site is not None:
+        kept.keep(site, call, made)
+    return made
 
 
 def _group_and_size(call: Call, tensor: torch.Tensor) -> Tuple[Optional[GroupFacts], Optional[int]]:

@@ -300,10 +300,12 @@ def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, asyn
     source = tensor.reshape(1) if tensor.dim() == 0 else tensor
     if route.every_rank and not source.is_contiguous():
         source = source.contiguous()  # no rank may fall back for it: NCCL reads raw memory
-    held = None if async_op else compat.holds([flat])
-    work = primitive(flat, source, group=group, async_op=async_op)
+    held = None if async_op else compat.hold(flat)
+    # Positional, and the defaults left out where they are the defaults: the wrapper torch puts
+    # around its collectives takes measurably longer over keywords, on every rewired call.
+    work = primitive(flat, source) if group is None and async_op is False else primitive(flat, source, group, async_op)
     if not async_op:
-        compat.await_release([flat], before=held)
+        compat.await_release_of(flat, held)
     return work
 
 

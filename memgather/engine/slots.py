@@ -17,7 +17,10 @@ from memgather.engine import cuda_memory, pages
 
 def flat_shape(shape: torch.Size, world: int) -> Tuple[int, ...]:
     """Shape of the single-tensor output: ranks concatenated along dim 0."""
-    if len(shape) == 0:
+    dims = len(shape)
+    if dims == 1:  # the most frequent, built without slicing a Size: on every rebind
+        return (world * shape[0],)
+    if dims == 0:
         return (world,)
     return (world * shape[0], *shape[1:])
 

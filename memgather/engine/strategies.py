@@ -49,6 +49,40 @@ def choose(tensor_list: Any, tensor: Any, world: int, rank: int) -> Outcome:
     return _rebind_refusal(tensor_list, tensor) or Strategy.REBIND
 
 
+def rebinds_as_kept(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any) -> bool:
+    """Whether ``choose`` would answer REBIND for these CPU slots, read in one pass: a kept plan's
+    per-call check (``memgather.engine.kept``), where the input was found as when it was kept.
+
+    ``keys`` are the dispatch keys of a slot that passed ``choose`` in full: the same keys mean
+    the same device type, a strided layout, no conjugate or negative bit, the same inference
+    status (inference mode is part of the kept plan's key) and no functorch wrapper. Each slot
+    is then held to every other fact ``_check_slots``, ``_adjacent`` and ``_rebind_refusal``
+    read: the input's dtype, the shape, no grad, contiguous, private memory held by the slot alone
+    (``rebindable_cpu_slot``), not the input itself, no slot twice, and (of two or more slots) not
+    already adjacent. A False sends the call to the full plan, which names the precise reason.
+    """
+    dtype = tensor.dtype
+    for slot in tensor_list:
+        if not (
+            type(slot) is torch.Tensor
+            and slot is not tensor
+            and slot.dtype is dtype
+            and slot.shape == shape
+            and not slot.requires_grad
+            and keys_of(slot) == keys  # type: ignore[misc]  # present: kept plans need it
+            and slot.is_contiguous()
+            and compat.rebindable_cpu_slot(slot)
+        ):
+            return False
+    first, second = tensor_list[0], tensor_list[1]
+    if second.data_ptr() == first.data_ptr() + first.numel() * first.element_size():
+        return False  # adjacent, perhaps: choose() tells whether DIRECT
+    return len({id(slot) for slot in tensor_list}) == len(tensor_list)
+
+
+keys_of = compat.dispatch_keys
+
+
 def _check_input(tensor: Any) -> Optional[Reason]:
     if not isinstance(tensor, torch.Tensor):
         return Reason.NOT_A_TENSOR

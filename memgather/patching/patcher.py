@@ -22,7 +22,7 @@ import torch.distributed as dist
 import wrapt
 
 from memgather import compat, config
-from memgather.engine import core, elision, report
+from memgather.engine import core, elision, kept, report
 from memgather.engine.call import bind
 from memgather.engine.reasons import Reason
 from memgather.patching import callers, scope, sites
@@ -55,11 +55,13 @@ _wrapper: Optional[MemgatherWrapper] = None
 _installed: List[Tuple[Any, str, Any]] = []  # (owner, attribute, value it replaced)
 # Keyed by id(code), holding the code object so the id cannot be reused: code
 # objects compare by value, and two modules' identical functions are "equal".
-# elide? is None where the call site's own code decides (sites.elides, per call site).
-_decisions: Dict[int, Tuple[CodeType, bool, Optional[bool]]] = {}  # id -> (code, rewire?, elide?)
+# elide? is None where the call site's own code decides (sites.elides, per call site). The
+# site holds the plan kept for the code's next call (memgather.engine.kept).
+_Decision = Tuple[CodeType, bool, Optional[bool], kept.Site]
+_decisions: Dict[int, _Decision] = {}  # id -> (code, rewire?, elide?, site): the calling frame is the gatherer
 # Decisions for calls whose caller is found past plumbing: keyed by the ids of the code
 # objects the walk found, holding them for the same reason.
-_chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], Tuple[CodeType, bool, Optional[bool]]]] = {}
+_chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], _Decision]] = {}
 # What the first patch() replaced: the environment it exported over, and the engine's settings.
 _exported: Optional[Tuple[Dict[str, Optional[str]], config.Settings]] = None
 _hooked: set = set()
@@ -178,22 +180,24 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         frame = sys._getframe(1)
         code = frame.f_code
         known = _decisions.get(id(code))
-        if known is None or known[0] is not code:
-            known = _decide(frame, active)
+        if known is not None and known[0] is code:
+            gatherer = True  # decided by this frame alone: it gathers itself
+        else:
+            known, gatherer = _decide(frame, active), False
         if known[1]:
             elide = known[2]
             if elide is None:  # the call site's own code decides, proven once per site
-                elide = sites.elides(frame, args[0] if args else kwargs.get("tensor_list"))
+                elide = sites.elides(frame, args[0] if args else kwargs.get("tensor_list"), gatherer)
             call = bind(args, kwargs, active.check, elide, active.verify)
             if call is None:  # arguments torch's signature does not take: torch's own TypeError
                 return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
-            return core.handle(call)
+            return core.handle(call, known[3])
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)
 
 
-def _decide(frame: Any, active: _Active) -> Tuple[CodeType, bool, Optional[bool]]:
+def _decide(frame: Any, active: _Active) -> _Decision:
     found, cacheable = callers.calling_frames(frame)
     if cacheable:
         decision = _decide_for(frame.f_code, found, active)
@@ -210,7 +214,7 @@ def _decide(frame: Any, active: _Active) -> Tuple[CodeType, bool, Optional[bool]
     return known[1]
 
 
-def _decide_for(code: CodeType, found: List[Any], active: _Active) -> Tuple[CodeType, bool, Optional[bool]]:
+def _decide_for(code: CodeType, found: List[Any], active: _Active) -> _Decision:
     """Whether to rewire a call made on behalf of ``found`` (innermost first), and to elide
     (None: the call site's code decides, ``sites.elides``)."""
     report.remember_rank()
@@ -222,8 +226,8 @@ def _decide_for(code: CodeType, found: List[Any], active: _Active) -> Tuple[Code
         verdict = registry.gate(target, active.force)
         _announce(target, verdict)
         act = verdict.allowed
-        return code, act, (active.elide if act else False)
-    return code, False, False
+        return code, act, (active.elide if act else False), kept.Site()
+    return code, False, False, kept.Site()
 
 
 def _remember(cache: Dict[Any, Any], key: Any, value: Any) -> None:

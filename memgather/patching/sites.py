@@ -52,21 +52,23 @@ _verdicts: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}
 _MISSING = object()
 
 
-def elides(frame: Optional[FrameType], tensor_list: Any = None) -> bool:
+def elides(frame: Optional[FrameType], tensor_list: Any = None, gatherer: bool = False) -> bool:
     """Whether a gather made from ``frame`` (the all_gather wrapper's caller) into ``tensor_list`` is
     proven to drop its list: the call site's code, and (checked on every call) slots that nothing but
-    the list holds, as fresh slots are."""
-    return verdict(frame).proven and _held_by_the_list_alone(tensor_list)
+    the list holds, as fresh slots are. ``gatherer``: ``frame`` is known to be the gathering frame
+    itself, neither wrapt's nor memgather's nor a Function's forward (the patcher's walk found it so)."""
+    return verdict(frame, gatherer).proven and _held_by_the_list_alone(tensor_list)
 
 
-def verdict(frame: Optional[FrameType]) -> Verdict:
+def verdict(frame: Optional[FrameType], gatherer: bool = False) -> Verdict:
     """The proof's verdict for the call site ``frame`` is at (proven once, then looked up)."""
-    chain = _chain(frame)
+    chain = [frame] if gatherer and frame is not None else _chain(frame)
     if not chain:
         return proof.refuse("no calling frame")
-    key: Key = tuple((id(f.f_code), f.f_lasti) for f in chain)
+    # A gatherer's own frame alone, as at most call sites: its key without a generator, per call.
+    key: Key = ((id(chain[0].f_code), chain[0].f_lasti),) if len(chain) == 1 else _key(chain)
     known = _verdicts.get(key)
-    if known is not None and all(a is b.f_code for a, b in zip(known[0], chain)):
+    if known is not None and _same_codes(known[0], chain):
         if not known[1].proven or all(space.get(name, _MISSING) is thing for space, name, thing in known[2]):
             return known[1]
     found, where, bindings = _prove(chain)
@@ -76,6 +78,17 @@ def verdict(frame: Optional[FrameType]) -> Verdict:
         _verdicts[key] = (tuple(f.f_code for f in chain), found, bindings)
     _log.info("memgather: cat elision at %s: %s (%s)", _where(where), "on" if found.proven else "off", found.reason)
     return found
+
+
+def _key(chain: List[FrameType]) -> Key:
+    return tuple((id(f.f_code), f.f_lasti) for f in chain)
+
+
+def _same_codes(codes: Tuple[CodeType, ...], chain: List[FrameType]) -> bool:
+    """The kept verdict's code objects are the chain's (an id may have been reused by another)."""
+    if len(chain) == 1:
+        return codes[0] is chain[0].f_code
+    return all(a is b.f_code for a, b in zip(codes, chain))
 
 
 def forget() -> None:
