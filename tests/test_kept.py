@@ -12,6 +12,7 @@ import contextlib
 from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,6 +70,30 @@ def _input_is_a_slot(rank: int, world: int) -> Built:
 
 def _adjacent(rank: int, world: int) -> Built:
     return list(torch.zeros(world * NUMEL).chunk(world)), _filled(rank, (NUMEL,)), {}, None
+
+
+# DeepSpeed's pattern: the slots are views, in rank order, of one buffer kept across calls.
+_BUFFERS: Dict[str, torch.Tensor] = {}
+
+
+def _chunks(order: str, input_in: Optional[str] = None) -> Callable[[int, int], Built]:
+    def build(rank: int, world: int) -> Built:
+        buffer = _BUFFERS.setdefault(order, torch.zeros((world + 1) * NUMEL))
+        slots = [buffer[i * NUMEL : (i + 1) * NUMEL] for i in range(world)]
+        if order == "reversed":
+            slots.reverse()
+        elif order == "gap":
+            slots[-1] = buffer[world * NUMEL :]
+        given_tensor = _filled(rank, (NUMEL,))
+        if input_in == "own":  # the input is its own rank's slot: allowed
+            slots[rank].copy_(given_tensor)
+            given_tensor = slots[rank]
+        elif input_in == "other":  # the input is another rank's slot: torch's copies decide
+            given_tensor = slots[(rank + 1) % world]
+            given_tensor.copy_(_filled(rank, (NUMEL,)))
+        return slots, given_tensor, {}, None
+
+    return build
 
 
 def _strided(rank: int, world: int) -> Built:
@@ -154,6 +179,11 @@ STEPS: Dict[str, Tuple[Callable[[int, int], Built], Callable[[], Any], Optional[
     "input_is_a_slot": (_input_is_a_slot, contextlib.nullcontext, None),
     "adjacent_slots": (_adjacent, contextlib.nullcontext, None),
     "strided_slot": (_strided, contextlib.nullcontext, None),
+    "chunks": (_chunks("in_order"), contextlib.nullcontext, None),
+    "chunks_reversed": (_chunks("reversed"), contextlib.nullcontext, None),
+    "chunks_with_a_gap": (_chunks("gap"), contextlib.nullcontext, None),
+    "chunks_input_is_its_slot": (_chunks("in_order", "own"), contextlib.nullcontext, None),
+    "chunks_input_is_anothers_slot": (_chunks("in_order", "other"), contextlib.nullcontext, None),
     "conj_input": (_conj_input, contextlib.nullcontext, None),
     "input_shape": (_input_shape, contextlib.nullcontext, None),
     "neg_input": (_neg_input, contextlib.nullcontext, None),
@@ -168,7 +198,11 @@ STEPS: Dict[str, Tuple[Callable[[int, int], Built], Callable[[], Any], Optional[
     "patched_again": (_fresh, contextlib.nullcontext, _patch_again),
 }
 # The facts a kept plan rests on, each changed between two calls of one site.
-CHANGES = sorted(set(STEPS) - {"fresh"})
+CHANGES = sorted(set(STEPS) - {"fresh", "chunks"} - {name for name in STEPS if name.startswith("chunks_")})
+# The same for a plan kept for slots that are views of one buffer (DIRECT).
+DIRECT_CHANGES = sorted(
+    {name for name in STEPS if name.startswith("chunks_")} | {"fresh", "view_kept", "dtype", "group", "inference"}
+)
 # Changes of what the call runs under, not of the call itself.
 _SAME_CALL = frozenset(("configured_again", "patched_again"))
 
@@ -217,7 +251,9 @@ def _counting_full_plans() -> Iterator[List[int]]:
 
 def kept_steps(ctx: Any, names: List[str]) -> Dict[str, Any]:
     """Each step's outcome under torch, and under memgather with the full plans its call made."""
+    _BUFFERS.clear()  # each run gathers into buffers of its own, their version counters from 0
     want = [_observe(name, ctx.rank, ctx.world, False) for name in names]
+    _BUFFERS.clear()
     got: List[Tuple[Any, ...]] = []
     memgather.patch([__name__])
     try:
@@ -261,6 +297,21 @@ def test_a_fact_changed_between_two_calls_gets_the_full_plan(pools: Any, change:
         back = 0 if change in _SAME_CALL else 1
         assert full_plans[2] >= 1, f"rank {rank}: {change}: {got}"
         assert full_plans[:2] + full_plans[3:] == [1, 0, back, 0], f"rank {rank}: {change}: {got}"
+
+
+@pytest.mark.parametrize("change", DIRECT_CHANGES)
+def test_a_fact_changed_between_two_direct_calls_gets_the_full_plan(pools: Any, change: str) -> None:
+    names = ["chunks", "chunks", change, "chunks", "chunks"]
+    for rank, result in enumerate(_run(pools, names)):
+        got = result["got"]
+        assert [entry[0] for entry in got] == result["want"], f"rank {rank}: {change}"
+        assert got[0][2] == {"direct": 1} and got[1][2] == {"direct": 1}, got
+        full_plans = [entry[1] for entry in got]
+        if change == "chunks_input_is_its_slot":  # DIRECT allows it: the kept plan holds, and is taken
+            assert full_plans == [1, 0, 0, 0, 0], f"rank {rank}: {got}"
+            continue
+        assert full_plans[2] >= 1, f"rank {rank}: {change}: {got}"
+        assert full_plans[:2] + full_plans[3:] == [1, 0, 1, 0], f"rank {rank}: {change}: {got}"
 
 
 def test_slots_kept_under_inference_mode_are_not_taken_for_a_call_outside_it(pools: Any) -> None:
@@ -406,3 +457,58 @@ def test_a_kept_plan_keeps_no_group_alive() -> None:
         print(freed() is None)
     """)
     assert out.split("\n")[:2] == ["{'rebind': 3}", "True"], out
+
+
+_PIECES = ("in_place", "another_index", "fresh", "another_buffer", "strided", "inference", "grad", "numpy_part")
+_INPUTS = ("fresh", "own_slot", "another_slot", "overlapping", "buffer_tail", "conj")
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(_PIECES), min_size=1, max_size=4),
+    input_kind=st.sampled_from(_INPUTS),
+    rank=st.integers(0, 3),
+)
+def test_the_kept_direct_check_passes_only_slots_choose_gathers_into_directly(
+    pieces: List[str], input_kind: str, rank: int
+) -> None:
+    """``direct_as_kept`` is the kept plan's one-pass stand-in for ``choose``'s DIRECT: whatever it
+    passes, ``choose`` must answer DIRECT."""
+    world = len(pieces)
+    rank %= world
+    buffer = torch.zeros((world + 1) * 3)
+    other = torch.zeros(world * 3)
+    with torch.inference_mode():
+        frozen = torch.zeros(world * 3)
+    array = numpy.zeros(world * 3, dtype=numpy.float32)  # parts of it: adjacent, each a storage of its own
+    slots: List[torch.Tensor] = []
+    for index, piece in enumerate(pieces):
+        if piece == "another_index":
+            slots.append(buffer[((index + 1) % world) * 3 : ((index + 1) % world + 1) * 3])
+        elif piece == "fresh":
+            slots.append(torch.zeros(3))
+        elif piece == "another_buffer":
+            slots.append(other[index * 3 : (index + 1) * 3])
+        elif piece == "strided":
+            slots.append(torch.zeros(6)[::2])
+        elif piece == "inference":
+            slots.append(frozen[index * 3 : (index + 1) * 3])
+        elif piece == "grad":
+            slots.append(torch.zeros(3, requires_grad=True))
+        elif piece == "numpy_part":
+            slots.append(torch.from_numpy(array[index * 3 : (index + 1) * 3]))
+        else:
+            slots.append(buffer[index * 3 : (index + 1) * 3])
+    tensor = {
+        "fresh": lambda: torch.ones(3),
+        "own_slot": lambda: slots[rank],
+        "another_slot": lambda: slots[(rank + 1) % world],
+        "overlapping": lambda: buffer[1:4],
+        "buffer_tail": lambda: buffer[world * 3 :],
+        "conj": lambda: torch.ones(3, dtype=torch.complex64).conj(),
+    }[input_kind]()
+    keys = compat.dispatch_keys(buffer[:3])  # type: ignore[misc]  # present on every torch tox runs
+    if strategies.direct_as_kept(slots, tensor, tensor.shape, keys, rank):
+        assert strategies.choose(slots, tensor, world, rank) is Strategy.DIRECT, (pieces, input_kind, rank)
+    if all(piece == "in_place" for piece in pieces) and input_kind in ("fresh", "own_slot"):
+        assert strategies.direct_as_kept(slots, tensor, tensor.shape, keys, rank)  # views in order pass

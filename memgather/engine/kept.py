@@ -1,13 +1,14 @@
 """A call site's plan, kept for its next call: what cannot change between two calls, proven once.
 
 A loop gathers from one call site call after call with the same group, the same
-input shape, dtype and device, and the same settings, into fresh slots. Most
-of what ``planner.plan`` proves for such a call rests on those alone: the
-group's preconditions and description, its threshold and route, the dtype its
-backend takes, the gathered size. So the plan of a call that rebinds fresh CPU
-slots is kept on its call site (``Site``), with the facts it rests on
-(``Kept``), and a later call from the site takes it where ``reuse`` finds them
-all unchanged:
+input shape, dtype and device, and the same settings, into fresh slots (or into
+views of one buffer kept across steps, as DeepSpeed's). Most of what
+``planner.plan`` proves for such a call rests on those alone: the group's
+preconditions and description, its threshold and route, the dtype its backend
+takes, the gathered size. So the plan of a CPU call that rebinds fresh slots,
+fills them in place, or gathers directly into views of one buffer is kept on its
+call site (``Site``), with the facts it rests on (``Kept``), and a later call
+from the site takes it where ``reuse`` finds them all unchanged:
 
 - the key: the group's facts (``group_facts.lookup`` gives another object for
   another group, a destroyed default group, or after ``configure()``: new
@@ -16,9 +17,11 @@ all unchanged:
   ``async_op``, the call's check / elide / verify, and inference mode;
 - what can change between two calls of one key: a torch-function or dispatch
   mode, compiling, a coalescing block, the group dropped from torch's table,
-  and every fact of every slot that a rebind rests on (``strategies.rebinds_as_kept``:
-  a plain ``torch.Tensor``, so neither armed nor handed out by elision; ownership,
-  storage use counts, memory kind, layout, dtype, shape, grad, contiguity, aliasing).
+  and every fact of every slot that the kept strategy rests on, read in one pass
+  (``strategies.rebinds_as_kept``: a plain ``torch.Tensor``, so neither armed nor
+  handed out by elision; ownership, storage use counts, memory kind, layout,
+  dtype, shape, grad, contiguity, aliasing; ``strategies.direct_as_kept``: the
+  same metadata, adjacency in one storage, and the input clear of the region).
 
 Anything else, and any fact found changed, gets the plan made in full, which
 is kept anew where it qualifies. CUDA calls are always planned in full: their
@@ -28,7 +31,7 @@ site (``patcher``), and so every kept plan.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
 
@@ -39,16 +42,26 @@ from memgather.engine.group_facts import GroupFacts, lookup
 from memgather.engine.plan import Plan
 from memgather.engine.reasons import Strategy
 
-# The outcomes a kept plan may have: each rests on choose() answering REBIND for fresh slots.
-_KEPT_STRATEGIES = frozenset((Strategy.REBIND, Strategy.IN_SLOTS))
+# A per-call check of the slots (strategies): whether choose() answers the outcome a kept plan rests on.
+SlotCheck = Callable[[list, torch.Tensor, torch.Size, Any, int], bool]
+# The plans kept, by strategy, and the check each rests on: REBIND and IN_SLOTS (fresh slots on gloo's
+# broadcasts) on choose() answering REBIND, DIRECT on its answering DIRECT (slots that are views of one
+# buffer, as DeepSpeed's).
+_CHECKS: Dict[Strategy, SlotCheck] = {
+    Strategy.REBIND: strategies.rebinds_as_kept_on,
+    Strategy.IN_SLOTS: strategies.rebinds_as_kept_on,
+    Strategy.DIRECT: strategies.direct_as_kept,
+}
 
 
 class Kept(NamedTuple):
     """A plan made in full, and the facts it rests on that stay fixed from call to call."""
 
     plan: Plan
+    slots_checked: SlotCheck  # what choose() must answer for the slots, read in one pass
     facts: GroupFacts  # the group's, as lookup() gave them (they hold the group weakly: a kept plan must not keep it)
     world: int
+    rank: int
     shape: torch.Size
     dtype: torch.dtype
     keys: Any  # the input's dispatch keys
@@ -98,7 +111,7 @@ def reuse(site: Site, call: Call) -> Optional[Plan]:
         or compat.is_coalescing(call.group)
     ):
         return None
-    if not strategies.rebinds_as_kept(call.tensor_list, tensor, kept.shape, kept.slot_keys):
+    if not kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank):
         return None
     return kept.plan
 
@@ -106,31 +119,38 @@ def reuse(site: Site, call: Call) -> Optional[Plan]:
 def keep(site: Site, call: Call, plan: Plan) -> None:
     """Keep ``plan``, just made in full for ``call``, on ``site`` where its facts qualify it."""
     tensor, tensor_list = call.tensor, call.tensor_list
+    checked = _CHECKS.get(plan.strategy)
     if (
-        plan.strategy not in _KEPT_STRATEGIES
+        checked is None
+        or plan.info is None
         or plan.watched
         or compat.dispatch_keys is None
         or not compat.can_prove_exclusive()
         or type(tensor) is not torch.Tensor
         or not tensor.is_cpu
         or type(tensor_list) is not list
-        or len(tensor_list) < 2
+        or not tensor_list
         or not (call.async_op is True or call.async_op is False or call.async_op is None)
         or compat.function_mode_active()
         or compat.dispatch_mode_active()
+        # Elided, DIRECT is kept only where its slots did not tile their storage (else ARMED_DIRECT),
+        # which a later call's slots may: planned in full.
+        or (plan.strategy is Strategy.DIRECT and call.elide)
     ):
         site.kept = None
         return
     facts = lookup(call.group, tensor, None)
     keys = compat.dispatch_keys(tensor)
     slot_keys = compat.dispatch_keys(tensor_list[0])
-    if facts is None or not strategies.rebinds_as_kept(tensor_list, tensor, tensor.shape, slot_keys):
-        site.kept = None  # choose() said REBIND by another way (IN_SLOTS by fill_in_slots): not kept
+    if facts is None or not checked(tensor_list, tensor, tensor.shape, slot_keys, plan.info.rank):
+        site.kept = None  # choose() answered otherwise (IN_SLOTS by fill_in_slots, DIRECT armed...): not kept
         return
     site.kept = Kept(
         plan,
+        checked,
         facts,
         len(tensor_list),
+        plan.info.rank,
         tensor.shape,
         tensor.dtype,
         keys,

@@ -80,6 +80,40 @@ def rebinds_as_kept(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, 
     return len({id(slot) for slot in tensor_list}) == len(tensor_list)
 
 
+def direct_as_kept(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int) -> bool:
+    """Whether ``choose`` would answer DIRECT for these slots, read in one pass: a kept plan's
+    per-call check (``memgather.engine.kept``), where the input was found as when it was kept.
+
+    ``keys`` as for ``rebinds_as_kept``. Each slot is held to what ``_check_slots`` and
+    ``_adjacent`` read: a plain tensor of the input's dtype and shape, no grad, contiguous,
+    starting where the slot before it ends, in one storage (distinct addresses of non-empty
+    slots: no slot twice). Then ``_input_overlaps_region`` must clear the input.
+    """
+    dtype = tensor.dtype
+    start = step = storage = 0
+    for index, slot in enumerate(tensor_list):
+        if not (
+            type(slot) is torch.Tensor
+            and slot.dtype is dtype
+            and slot.shape == shape
+            and not slot.requires_grad
+            and keys_of(slot) == keys  # type: ignore[misc]  # present: kept plans need it
+            and slot.is_contiguous()
+        ):
+            return False
+        # Addresses read only once the keys said dense memory (a sparse slot has none to read).
+        if index == 0:
+            start, step, storage = slot.data_ptr(), slot.numel() * slot.element_size(), compat.storage_ptr(slot)
+        elif slot.data_ptr() != start + index * step or compat.storage_ptr(slot) != storage:
+            return False
+    return step > 0 and not _input_overlaps_region(tensor, tensor_list, rank)
+
+
+def rebinds_as_kept_on(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int) -> bool:
+    """``rebinds_as_kept`` with ``direct_as_kept``'s signature (the rank is not needed)."""
+    return len(tensor_list) > 1 and rebinds_as_kept(tensor_list, tensor, shape, keys)
+
+
 keys_of = compat.dispatch_keys
 
 
