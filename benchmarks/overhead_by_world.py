@@ -58,7 +58,7 @@ def run(gather):
         gather([torch.empty_like(tensor) for _ in range(world)], tensor)
     return (time.perf_counter() - started) / calls * 1e6
 # A call site of a target, through the wrapper: its plan kept from its first call on, as in a loop.
-exec(compile("import torch.distributed as dist\ndef gather(slots, tensor):\n    dist.all_gather(slots, tensor)\n",
+exec(compile("import torch.distributed as dist\\ndef gather(slots, tensor):\\n    dist.all_gather(slots, tensor)\\n",
              "<user>", "exec"), user := {"__name__": "user_code"})
 def kept(slots, tensor):
     user["gather"](slots, tensor)

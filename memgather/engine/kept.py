@@ -111,6 +111,9 @@ def reuse(site: Site, call: Call) -> Optional[Plan]:
         or compat.is_coalescing(call.group)
     ):
         return None
+    route = kept.plan.route
+    if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
+        return None  # the route reads the input as raw memory (legacy NCCL's): planned in full
     if not kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank):
         return None
     return kept.plan

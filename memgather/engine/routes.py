@@ -36,8 +36,9 @@ work it removes covers memgather's own CPU time, even in the case where that
 time shows in full. The CPU time: about 90 us per rewired call above torch's at
 2 ranks (the largest of the rewired rows ``python benchmarks/overhead.py``
 prints, rounded up), growing by one slot per rank (``python
-benchmarks/overhead_by_world.py`` fits 26.5 us + 4.77 us per rank on torch's
-no-op fake backend; CUDA adds per slot the allocator's facts and a
+benchmarks/overhead_by_world.py`` fits 19.7 us + 3.48 us per rank on torch's
+no-op fake backend, planned in full as every CUDA call is; CUDA adds per slot
+the allocator's facts and a
 ``record_stream``), so overhead(w) = 90 us + 10 us per rank beyond 2. Where it
 shows: a CUDA call only queues work, so while the CPU runs ahead of the GPU,
 memgather's time overlaps work already queued and costs nothing; it shows where
