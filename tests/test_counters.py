@@ -64,6 +64,35 @@ def test_fallbacks_counted_by_threads_while_another_reads_stay_exact(_eager_swit
     assert totals == sorted(totals) and totals[-1] <= threads * per_thread
 
 
+def test_a_snapshot_counts_each_rewired_call_of_another_thread_whole(_eager_switching: None) -> None:
+    calls = 50000
+    done = threading.Event()
+    split: List[counters.Stats] = []
+    snapshots = 0
+
+    def count() -> None:
+        for _ in range(calls):
+            counters.record("rebind", route="single_staged", saved=8)
+        done.set()
+
+    def read() -> None:
+        nonlocal snapshots
+        while not done.is_set():
+            s = counters.stats()
+            snapshots += 1
+            if sum(s.by_route.values()) != s.rewired or s.bytes_saved != 8 * s.rewired:
+                split.append(s)  # its strategy counted, not yet its route or bytes (or the other way)
+
+    threads = [threading.Thread(target=count), threading.Thread(target=read)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert snapshots > 1 and split == []
+    final = counters.stats()
+    assert (final.rewired, dict(final.by_route), final.bytes_saved) == (calls, {"single_staged": calls}, 8 * calls)
+
+
 def test_fallbacks_keep_their_place_among_the_strategies_and_reset_to_nothing() -> None:
     counters.record("rebind", route="single_staged")
     counters.record_fallback("below_threshold")

@@ -35,9 +35,9 @@ class _Tally:
         return int(repr(self._count)[6:-1])  # "count(n)"; pickling, the other way to read it, goes in Python 3.14
 
 
-# Every count is a _Tally, added to without the lock: a rewired call's own counts are on its
-# hot path too. The lock guards only the creation of a tally (its place in the table: where it
-# first came), the bytes saved, and reading.
+# Every count is a _Tally. A fallback adds to its own without the lock; a rewired call adds its
+# strategy, route and bytes under it, so a snapshot never splits a call across threads. The lock
+# also guards the creation of a tally (its place in the table: where it first came) and reading.
 _strategies: Dict[str, _Tally] = {}  # strategy -> calls ("fallback": a place-holder, counted in _fallbacks)
 _routes: Dict[str, _Tally] = {}  # route -> calls
 _fallbacks: Dict[Optional[str], _Tally] = {}  # reason (None: unknown) -> fallback calls
@@ -92,16 +92,19 @@ class Stats:
 
 
 def record(strategy: str, route: Optional[str] = None, saved: int = 0) -> None:
-    """Count one call memgather carried out (fallbacks: ``record_fallback``)."""
+    """Count one call memgather carried out (fallbacks: ``record_fallback``).
+
+    Under the lock, so that a snapshot from another thread sees the call's strategy,
+    route and bytes together or none of them (a fallback has one count: no lock).
+    """
     global _bytes_saved
-    tally = _strategies.get(strategy)
-    (tally or _created(_strategies, strategy)).add()
-    if route is not None:
-        tally = _routes.get(route)
-        (tally or _created(_routes, route)).add()
-    if saved:
-        with _lock:
-            _bytes_saved += saved
+    with _lock:
+        tally = _strategies.get(strategy)
+        (tally or _created(_strategies, strategy)).add()
+        if route is not None:
+            tally = _routes.get(route)
+            (tally or _created(_routes, route)).add()
+        _bytes_saved += saved
 
 
 def _created(table: Dict[Any, _Tally], key: Any) -> _Tally:
