@@ -74,7 +74,7 @@ def _planned_in_full() -> Iterator[None]:
     """No plan is kept on a call site in the block (``memgather.engine.kept``)."""
     from memgather.engine import kept
 
-    def keep_nothing(site: Any, call: Any, plan: Any) -> None:
+    def keep_nothing(site: Any, call: Any, plan: Any, facts: Any) -> None:
         site.kept = None
 
     with _replaced(kept, "keep", keep_nothing):

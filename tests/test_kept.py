@@ -459,6 +459,69 @@ def test_a_kept_plan_keeps_no_group_alive() -> None:
     assert out.split("\n")[:2] == ["{'rebind': 3}", "True"], out
 
 
+def test_each_place_a_code_gathers_from_keeps_a_plan_of_its_own() -> None:
+    """Two gathers of two shapes in one function, and one Function applied from two lines: each
+    place plans its first call in full and its next calls take that plan, not the other place's."""
+    out = run_on_fake("""
+        from dataclasses import replace
+        from memgather.engine import planner
+        exec(compile('class Gather(torch.autograd.Function):\\n'
+                     '    @staticmethod\\n'
+                     '    def forward(ctx, t):\\n'
+                     '        dist.all_gather([torch.empty_like(t), torch.empty_like(t)], t)\\n'
+                     '        return t.clone()\\n'
+                     'def two(a, b):\\n'
+                     '    dist.all_gather([torch.empty_like(a), torch.empty_like(a)], a)\\n'
+                     '    dist.all_gather([torch.empty_like(b), torch.empty_like(b)], b)\\n'
+                     'def applied(a, b):\\n'
+                     '    Gather.apply(a)\\n'
+                     '    Gather.apply(b)\\n',
+                     '<user>', 'exec'), user)
+        memgather.patch(["user_code"])
+        core.configure(replace(core.settings(), nccl_min_bytes=0))  # every call rewired
+        full, counted = planner._plan, [0]
+        def counting(*args, **kwargs):
+            counted[0] += 1
+            return full(*args, **kwargs)
+        planner._plan = counting
+        a, b = torch.ones(4), torch.ones(8)
+        for name in ("two", "applied"):
+            counted[0] = 0
+            memgather.reset_stats()
+            for _ in range(5):
+                user[name](a, b)
+            print(name, counted[0], dict(memgather.stats().by_strategy))
+    """)
+    assert out.split("\n")[:2] == ["two 2 {'rebind': 10}", "applied 2 {'rebind': 10}"], out
+
+
+def test_a_plan_made_while_the_settings_changed_is_not_taken_under_the_new_ones() -> None:
+    """A configure() while a call is planned (another thread's): the plan was made under the old
+    settings, so the site's next call is planned in full, on a described group and on a new one."""
+    out = run_on_fake("""
+        from dataclasses import replace
+        from memgather.engine import planner
+        memgather.patch(["user_code"])
+        core.configure(replace(core.settings(), nccl_min_bytes=0))  # every call rewired
+        full, counted, configuring = planner._plan, [0], [False]
+        def counting(*args, **kwargs):
+            counted[0] += 1
+            made = full(*args, **kwargs)
+            if configuring[0]:
+                configuring[0] = False
+                core.configure(replace(core.settings()))  # new settings, as another thread's configure()
+            return made
+        planner._plan = counting
+        for per_rank in (64, 128):  # the group's first call, then a described group's (another shape)
+            configuring[0] = True
+            counted[0] = 0
+            for _ in range(3):
+                user["call"](per_rank)
+            print(counted[0])
+    """)
+    assert out.split("\n")[:2] == ["2", "2"], out
+
+
 _PIECES = ("in_place", "another_index", "fresh", "another_buffer", "strided", "inference", "grad", "numpy_part")
 _INPUTS = ("fresh", "own_slot", "another_slot", "overlapping", "buffer_tail", "conj")
 

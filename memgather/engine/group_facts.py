@@ -56,6 +56,11 @@ def configure(settings: config.Settings) -> None:
         _table.clear()
 
 
+def thresholds() -> Tuple[Optional[int], Optional[int]]:
+    """The thresholds facts are worked out under now: a new object each ``configure()``."""
+    return _thresholds
+
+
 def lookup(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo]) -> Optional[GroupFacts]:
     """The facts of calls with ``tensor``'s device type on ``group`` (None: the default group).
 

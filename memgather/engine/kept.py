@@ -25,13 +25,14 @@ from the site takes it where ``reuse`` finds them all unchanged:
 
 Anything else, and any fact found changed, gets the plan made in full, which
 is kept anew where it qualifies. CUDA calls are always planned in full: their
-slots' allocator facts are read there. ``patch()`` and ``unpatch()`` drop every
-site (``patcher``), and so every kept plan.
+slots' allocator facts are read there. A site is one place a call is made from
+(``Sites``); ``patch()`` and ``unpatch()`` drop every site (``patcher``), and so
+every kept plan.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional
 
 import torch
 
@@ -74,12 +75,42 @@ class Kept(NamedTuple):
 
 
 class Site:
-    """One call site's kept plan (None: none yet). One object per call site, held by the patcher."""
+    """One call site's kept plan (None: none yet)."""
 
     __slots__ = ("kept",)
 
     def __init__(self) -> None:
         self.kept: Optional[Kept] = None
+
+
+# A code's call sites held at most: a code that gathers from more places than this plans
+# its calls in full, now and then, rather than hold a site for each.
+_MAX_SITES = 64
+
+
+class Sites:
+    """The call sites of one caller's code, each with its own kept plan, held by the patcher.
+
+    A site is named by where the call is made (``at``: the calling frame's
+    ``f_lasti``, its instruction's offset, and past plumbing those of the frames
+    it was made for), not by the code alone: a function that gathers two shapes
+    from two lines keeps a plan for each, where one holder would plan both calls
+    in full, each finding the other's plan kept.
+    """
+
+    __slots__ = ("_by_place",)
+
+    def __init__(self) -> None:
+        self._by_place: Dict[Hashable, Site] = {}
+
+    def at(self, place: Hashable) -> Site:
+        """The site made at ``place``, created where there is none yet."""
+        site = self._by_place.get(place)
+        if site is None:
+            if len(self._by_place) >= _MAX_SITES:
+                self._by_place.clear()
+            site = self._by_place[place] = Site()  # two threads may both create one: one plan is lost, no more
+        return site
 
 
 def reuse(site: Site, call: Call) -> Optional[Plan]:
@@ -119,8 +150,12 @@ def reuse(site: Site, call: Call) -> Optional[Plan]:
     return kept.plan
 
 
-def keep(site: Site, call: Call, plan: Plan) -> None:
-    """Keep ``plan``, just made in full for ``call``, on ``site`` where its facts qualify it."""
+def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
+    """Keep ``plan``, just made in full for ``call``, on ``site`` where its facts qualify it.
+
+    ``facts``: the group's, looked up before ``plan`` was made (``lookup`` gives a later call
+    other ones after a ``configure()``: never the older plan).
+    """
     tensor, tensor_list = call.tensor, call.tensor_list
     checked = _CHECKS.get(plan.strategy)
     if (
@@ -142,10 +177,9 @@ def keep(site: Site, call: Call, plan: Plan) -> None:
     ):
         site.kept = None
         return
-    facts = lookup(call.group, tensor, None)
     keys = compat.dispatch_keys(tensor)
     slot_keys = compat.dispatch_keys(tensor_list[0])
-    if facts is None or not checked(tensor_list, tensor, tensor.shape, slot_keys, plan.info.rank):
+    if not checked(tensor_list, tensor, tensor.shape, slot_keys, plan.info.rank):
         site.kept = None  # choose() answered otherwise (IN_SLOTS by fill_in_slots, DIRECT armed...): not kept
         return
     site.kept = Kept(

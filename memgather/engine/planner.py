@@ -56,26 +56,50 @@ def plan(call: Call, site: Optional[kept.Site] = None) -> Plan:
         if reused is not None:
             return reused
     tensor = call.tensor
-    if not call.check and type(tensor) is torch.Tensor:
-        if compat.function_mode_active():
-            # memgather's own reads of the input and the slots: no user's mode is to see them.
-            with torch._C.DisableTorchFunction():
-                known, gathered = _group_and_size(call, tensor)
-        else:
+    if type(tensor) is not torch.Tensor:
+        return _plan(call)
+    if compat.function_mode_active():
+        # memgather's own reads of the input and the slots: no user's mode is to see them.
+        with torch._C.DisableTorchFunction():
             known, gathered = _group_and_size(call, tensor)
-        if known is not None:
-            if known.unelided is not None and not call.elide:
-                return turned_away(known.unelided)
-            if gathered is not None and gathered < known.limit:
-                return _BELOW_THRESHOLD
-            return _kept(site, call, _plan(call, known, gathered))
-    return _kept(site, call, _plan(call))
+    else:
+        known, gathered = _group_and_size(call, tensor)
+    if known is None:
+        return _first_on_group(site, call, tensor)
+    if call.check:
+        return _kept(site, call, _plan(call), known)  # every call of check mode is planned: its ranks agree
+    if known.unelided is not None and not call.elide:
+        return turned_away(known.unelided)
+    if gathered is not None and gathered < known.limit:
+        return _BELOW_THRESHOLD
+    return _kept(site, call, _plan(call, known, gathered), known)
 
 
-def _kept(site: Optional[kept.Site], call: Call, made: Plan) -> Plan:
-    """``made``, kept on ``site`` for the site's next calls where it qualifies."""
+def _kept(site: Optional[kept.Site], call: Call, made: Plan, known: GroupFacts) -> Plan:
+    """``made``, kept on ``site`` for the site's next calls where it qualifies.
+
+    ``known``: the group's facts, looked up before ``made`` was planned. A ``configure()`` in
+    between gives the next call other facts, which then finds no plan kept: never one made under
+    settings older than the facts it is kept with.
+    """
     if site is not None:
-        kept.keep(site, call, made)
+        kept.keep(site, call, made, known)
+    return made
+
+
+def _first_on_group(site: Optional[kept.Site], call: Call, tensor: torch.Tensor) -> Plan:
+    """The plan of a call on a group not described yet: made in full, where the group is described.
+
+    Kept with the facts worked out then, where no ``configure()`` came between the planning and
+    their lookup here (the thresholds read before and after are one object): else the facts
+    found would be newer than the plan.
+    """
+    thresholds = group_facts.thresholds()
+    made = _plan(call)
+    if site is not None and not compat.function_mode_active():  # (keep() keeps nothing under a mode)
+        known = lookup(call.group, tensor, None)
+        if known is not None and group_facts.thresholds() is thresholds:
+            kept.keep(site, call, made, known)
     return made
 
 

@@ -16,7 +16,7 @@ import sys
 import threading
 from dataclasses import dataclass, replace
 from types import CodeType, ModuleType
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Tuple
 
 import torch.distributed as dist
 import wrapt
@@ -56,9 +56,10 @@ _installed: List[Tuple[Any, str, Any]] = []  # (owner, attribute, value it repla
 # Keyed by id(code), holding the code object so the id cannot be reused: code
 # objects compare by value, and two modules' identical functions are "equal".
 # elide? is None where the call site's own code decides (sites.elides, per call site). The
-# site holds the plan kept for the code's next call (memgather.engine.kept).
-_Decision = Tuple[CodeType, bool, Optional[bool], kept.Site]
-_decisions: Dict[int, _Decision] = {}  # id -> (code, rewire?, elide?, site): the calling frame is the gatherer
+# sites hold the plan kept at each place the code gathers from, for its next call there
+# (memgather.engine.kept).
+_Decision = Tuple[CodeType, bool, Optional[bool], kept.Sites]
+_decisions: Dict[int, _Decision] = {}  # id -> (code, rewire?, elide?, sites): the calling frame is the gatherer
 # Decisions for calls whose caller is found past plumbing: keyed by the ids of the code
 # objects the walk found, holding them for the same reason.
 _chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], _Decision]] = {}
@@ -180,10 +181,11 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         frame = sys._getframe(1)
         code = frame.f_code
         known = _decisions.get(id(code))
+        place: Hashable
         if known is not None and known[0] is code:
-            gatherer = True  # decided by this frame alone: it gathers itself
+            gatherer, place = True, frame.f_lasti  # decided by this frame alone: it gathers itself
         else:
-            known, gatherer = _decide(frame, active), False
+            (known, place), gatherer = _decide(frame, active), False
         if known[1]:
             elide = known[2]
             if elide is None:  # the call site's own code decides, proven once per site
@@ -191,18 +193,19 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             call = bind(args, kwargs, active.check, elide, active.verify)
             if call is None:  # arguments torch's signature does not take: torch's own TypeError
                 return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
-            return core.handle(call, known[3])
+            return core.handle(call, known[3].at(place))
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)
 
 
-def _decide(frame: Any, active: _Active) -> _Decision:
+def _decide(frame: Any, active: _Active) -> Tuple[_Decision, Hashable]:
+    """The decision for a call from ``frame``, and the place it was made from (``kept.Sites``)."""
     found, cacheable = callers.calling_frames(frame)
     if cacheable:
         decision = _decide_for(frame.f_code, found, active)
         _remember(_decisions, id(frame.f_code), decision)
-        return decision
+        return decision, frame.f_lasti
     # Plumbing or a Function's forward serves every caller: the walk must be made each
     # call, but what it finds (the same code objects) is decided once.
     chain = tuple(caller.f_code for caller in found)
@@ -211,7 +214,7 @@ def _decide(frame: Any, active: _Active) -> _Decision:
     if known is None or not all(a is b for a, b in zip(known[0], chain)):
         known = (chain, _decide_for(frame.f_code, found, active))
         _remember(_chains, key, known)
-    return known[1]
+    return known[1], (frame.f_lasti, *(caller.f_lasti for caller in found))
 
 
 def _decide_for(code: CodeType, found: List[Any], active: _Active) -> _Decision:
@@ -226,8 +229,8 @@ def _decide_for(code: CodeType, found: List[Any], active: _Active) -> _Decision:
         verdict = registry.gate(target, active.force)
         _announce(target, verdict)
         act = verdict.allowed
-        return code, act, (active.elide if act else False), kept.Site()
-    return code, False, False, kept.Site()
+        return code, act, (active.elide if act else False), kept.Sites()
+    return code, False, False, kept.Sites()
 
 
 def _remember(cache: Dict[Any, Any], key: Any, value: Any) -> None:
