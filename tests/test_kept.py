@@ -495,6 +495,32 @@ def test_each_place_a_code_gathers_from_keeps_a_plan_of_its_own() -> None:
     assert out.split("\n")[:2] == ["two 2 {'rebind': 10}", "applied 2 {'rebind': 10}"], out
 
 
+def test_a_code_that_gathers_from_more_places_than_it_holds_sites_for_still_keeps_plans() -> None:
+    """Past the sites a code holds, its places share one: calls that repeat one another take its plan."""
+    out = run_on_fake("""
+        from dataclasses import replace
+        from memgather.engine import kept, planner
+        places = kept._MAX_SITES + 6
+        exec(compile('def many(t):\\n' + '    dist.all_gather([torch.empty_like(t), torch.empty_like(t)], t)\\n' * places,
+                     '<user>', 'exec'), user)
+        memgather.patch(["user_code"])
+        core.configure(replace(core.settings(), nccl_min_bytes=0))  # every call rewired
+        full, counted = planner._plan, [0]
+        def counting(*args, **kwargs):
+            counted[0] += 1
+            return full(*args, **kwargs)
+        planner._plan = counting
+        t = torch.ones(4)
+        print(kept._MAX_SITES)
+        for _ in range(3):
+            counted[0] = 0
+            user["many"](t)
+            print(counted[0])
+    """)
+    held, *rounds = (int(line) for line in out.split())
+    assert rounds == [held + 1, 0, 0], out  # one full plan a site held and one for the rest, then none
+
+
 def test_a_plan_made_while_the_settings_changed_is_not_taken_under_the_new_ones() -> None:
     """A configure() while a call is planned (another thread's): the plan was made under the old
     settings, so the site's next call is planned in full, on a described group and on a new one."""

@@ -83,8 +83,9 @@ class Site:
         self.kept: Optional[Kept] = None
 
 
-# A code's call sites held at most: a code that gathers from more places than this plans
-# its calls in full, now and then, rather than hold a site for each.
+# A code's call sites held at most: the calls of a code that gathers from more places than
+# this share one site past them (as if they were one place: a kept plan where they repeat
+# one another, full plans where they differ).
 _MAX_SITES = 64
 
 
@@ -98,17 +99,18 @@ class Sites:
     in full, each finding the other's plan kept.
     """
 
-    __slots__ = ("_by_place",)
+    __slots__ = ("_by_place", "_beyond")
 
     def __init__(self) -> None:
         self._by_place: Dict[Hashable, Site] = {}
+        self._beyond = Site()  # the places past _MAX_SITES
 
     def at(self, place: Hashable) -> Site:
         """The site made at ``place``, created where there is none yet."""
         site = self._by_place.get(place)
         if site is None:
             if len(self._by_place) >= _MAX_SITES:
-                self._by_place.clear()
+                return self._beyond
             site = self._by_place[place] = Site()  # two threads may both create one: one plan is lost, no more
         return site
 

@@ -214,7 +214,9 @@ def _decide(frame: Any, active: _Active) -> Tuple[_Decision, Hashable]:
     if known is None or not all(a is b for a, b in zip(known[0], chain)):
         known = (chain, _decide_for(frame.f_code, found, active))
         _remember(_chains, key, known)
-    return known[1], (frame.f_lasti, *(caller.f_lasti for caller in found))
+    # The place only where a call is rewired (a kept plan's): not on the path of a call left to torch.
+    place = (frame.f_lasti, *(caller.f_lasti for caller in found)) if known[1][1] else None
+    return known[1], place
 
 
 def _decide_for(code: CodeType, found: List[Any], active: _Active) -> _Decision:
