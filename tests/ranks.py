@@ -91,9 +91,11 @@ def make_slots(kind: str, t: torch.Tensor, world: int, rank: int) -> Tuple[List[
         return [t.clone() for _ in range(world)], t
     if kind in ("views", "views_input_in_slot"):
         flat = torch.zeros((world * max(t.numel(), 1),), dtype=t.dtype)
-        slots = [chunk.view(t.shape) for chunk in flat[: world * t.numel()].chunk(world)] if t.numel() else [
-            torch.empty(t.shape, dtype=t.dtype) for _ in range(world)
-        ]
+        slots = (
+            [chunk.view(t.shape) for chunk in flat[: world * t.numel()].chunk(world)]
+            if t.numel()
+            else [torch.empty(t.shape, dtype=t.dtype) for _ in range(world)]
+        )
         if kind == "views_input_in_slot" and t.numel():
             slots[rank].copy_(t)
             return slots, slots[rank]
@@ -143,7 +145,8 @@ def _one_case(ctx: Any, case: Dict[str, Any]) -> Dict[str, Any]:
         "member": member,
         "raised": [None, None],
         "equal": expected_bytes == [as_bytes(b) for b in slots],
-        "meta_equal": [(a.shape, a.dtype) for a in ref_slots] == [(b.shape, b.dtype) for b in slots],
+        "meta_equal": [(a.shape, a.dtype, a.stride()) for a in ref_slots]
+        == [(b.shape, b.dtype, b.stride()) for b in slots],
         "return_kind": (type(ref_return).__name__, type(got_return).__name__),
         "identity_kept": [id(s) for s in slots] == ids,
         "versions_bumped": all(s._version > v for s, v in zip(slots, versions)),
@@ -154,7 +157,9 @@ def _one_case(ctx: Any, case: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def call_each(fn: Any, slots: List[torch.Tensor], given: torch.Tensor, group: Any, async_op: bool) -> Tuple[Any, Optional[str]]:
+def call_each(
+    fn: Any, slots: List[torch.Tensor], given: torch.Tensor, group: Any, async_op: bool
+) -> Tuple[Any, Optional[str]]:
     """(what ``fn`` returned, None) or (None, the name of the exception it raised)."""
     try:
         result = fn(slots, given, group=group, async_op=async_op)

@@ -16,10 +16,13 @@ from tests.pool import RankPool
 from tests.ranks import FunctionTensor, filled
 
 ELIDED = {"cat", "cat_dim0_kw", "cat_negative_dim", "concat", "concatenate", "cat_tuple", "stack", "stack_negative_dim",
-          "cat_after_read", "stack_scalars"}
+          "cat_after_read", "stack_scalars", "cat_pooled", "stack_pooled"}
 # Not exactly the slots, in order, along dim 0 into a new tensor; or a slot was used
 # (written) first, which turns every slot back into a plain tensor.
-COPIED = {"cat_dim1", "stack_dim1", "cat_reversed", "cat_subset", "cat_out", "other_op", "cat_after_add"}
+COPIED = {"cat_dim1", "stack_dim1", "cat_reversed", "cat_subset", "cat_out", "other_op", "cat_after_add",
+          # Slots with other strides on dims of size 1 (channels_last (N, C, 1, 1)): torch's result has strides
+          # of their kind, the buffer its shape's.
+          "cat_pooled_channels_last", "stack_pooled_channels_last"}
 
 
 @pytest.fixture(scope="module")
@@ -172,19 +175,23 @@ def gathers_then_cats(ctx: Any, calls: int) -> Dict[str, int]:
     return {"elided": elided}
 
 
-def _gathered(ctx: Any, shape: Tuple[int, ...] = (4, 3), elide: bool = True, offset: int = 0) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """(slots after an elision-armed memgather gather, the values torch would give)."""
-    slots = [torch.empty(shape) for _ in range(ctx.world)]
+def _gathered(
+    ctx: Any, shape: Tuple[int, ...] = (4, 3), elide: bool = True, offset: int = 0, layout: Any = torch.contiguous_format
+) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(slots after an elision-armed memgather gather, the values torch would give), of ``layout``."""
+    slots = [torch.empty(shape).to(memory_format=layout) for _ in range(ctx.world)]
     memgather.all_gather(slots, filled(ctx.rank + offset, shape), elide=elide)
-    return slots, [filled(r + offset, shape) for r in range(ctx.world)]
+    return slots, [filled(r + offset, shape).to(memory_format=layout) for r in range(ctx.world)]
 
 
 def elision_cases(ctx: Any) -> Dict[str, Any]:
     """What cat/stack and friends return on armed slots, against plain torch."""
     out: Dict[str, Any] = {}
 
-    def record(name: str, call: Any, reference: Any, shape: Tuple[int, ...] = (4, 3)) -> None:
-        slots, want = _gathered(ctx, shape)
+    def record(
+        name: str, call: Any, reference: Any, shape: Tuple[int, ...] = (4, 3), layout: Any = torch.contiguous_format
+    ) -> None:
+        slots, want = _gathered(ctx, shape, layout=layout)
         base = slots[0].data_ptr()
         try:
             got = call(slots)
@@ -197,7 +204,7 @@ def elision_cases(ctx: Any) -> Dict[str, Any]:
             raise
         want_result = reference(want)
         out[name] = {
-            "equal": torch.equal(got, want_result) and got.shape == want_result.shape,
+            "equal": torch.equal(got, want_result) and (got.shape, got.stride()) == (want_result.shape, want_result.stride()),
             "zero_copy": got.data_ptr() == base,
             "plain_result": type(got) is torch.Tensor,
             "slots_plain": all(type(s) is torch.Tensor for s in slots),
@@ -222,6 +229,11 @@ def elision_cases(ctx: Any) -> Dict[str, Any]:
     record("cat_scalars", lambda s: torch.cat(s), lambda w: torch.cat(w), shape=())
     record("stack_scalars", lambda s: torch.stack(s), lambda w: torch.stack(w), shape=())
     record("other_op", lambda s: s[1] * 2, lambda w: w[1] * 2)
+    pooled, channels_last = (2, 3, 1, 1), torch.channels_last
+    record("cat_pooled", lambda s: torch.cat(s), lambda w: torch.cat(w), shape=pooled)
+    record("stack_pooled", lambda s: torch.stack(s), lambda w: torch.stack(w), shape=pooled)
+    record("cat_pooled_channels_last", lambda s: torch.cat(s), lambda w: torch.cat(w), pooled, channels_last)
+    record("stack_pooled_channels_last", lambda s: torch.stack(s), lambda w: torch.stack(w), pooled, channels_last)
     return out
 
 

@@ -318,13 +318,20 @@ def _invisible(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def _in_place(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
-    """Each slot still is its view of the buffer: nobody has set_/resized it."""
+    """Each slot still is its view of the buffer (nobody has set_/resized it), with its shape's strides.
+
+    torch.cat and torch.stack of tensors with their shape's strides give a result with its
+    shape's strides, as the buffer has. Slots that are contiguous with other strides on dims
+    of size 1 (channels_last (N, C, 1, 1)) give a result with strides of their kind: torch's
+    copy makes it.
+    """
     flat = group.flat
     step = tensors[0].numel() * flat.element_size()
     base = flat.data_ptr()
     shape = tensors[0].shape
+    strides = _slots.contiguous_strides(tuple(shape))
     return all(
-        t.data_ptr() == base + index * step and t.shape == shape and t.dtype == flat.dtype and t.is_contiguous()
+        t.data_ptr() == base + index * step and t.shape == shape and t.dtype == flat.dtype and t.stride() == strides
         for index, t in enumerate(tensors)
     )
 

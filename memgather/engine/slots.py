@@ -7,7 +7,7 @@ exactly the memory of slot ``i``.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -46,7 +46,7 @@ def region(slots: List[torch.Tensor]) -> torch.Tensor:
 def tensor_over(holder: torch.Tensor, offset: int, shape: Tuple[int, ...]) -> torch.Tensor:
     """A contiguous tensor of its own (not a view: its own version counter) over ``holder``'s storage."""
     tensor = holder.new()  # empty, of holder's dtype and device; never requires grad, so set_ records nothing
-    tensor.set_(holder.untyped_storage(), offset, shape, _contiguous_strides(shape))
+    tensor.set_(holder.untyped_storage(), offset, shape, contiguous_strides(shape))
     return tensor
 
 
@@ -59,20 +59,23 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     """
     first = slots[0]
     shape, dtype, device = first.shape, first.dtype, first.device
+    # A contiguous slot has its shape's strides but on dims of size 1, where any stride is contiguous
+    # (empty_like of a channels_last (N, C, 1, 1) keeps (C, 1, C, C)): each keeps its own, as under torch.
+    own = [slot.stride() for slot in slots] if 1 in shape else None
     cuda_memory.release_on_current_stream(slots)  # before set_(): after it, the new storage would be recorded
     for slot in slots:
         slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
     try:
         flat = torch.empty(flat_shape(shape, len(slots)), dtype=dtype, device=device)
     except BaseException:
-        _reallocate(slots, shape, dtype, device)
+        _reallocate(slots, shape, dtype, device, own)
         raise
     pages.advise(flat)
     storage = flat.untyped_storage()
     strides = flat.stride() if len(shape) else ()  # a slot is flat's rows d0 at a time: same strides
     step = flat.numel() // len(slots)
     for index, slot in enumerate(slots):
-        slot.set_(storage, index * step, shape, strides)
+        slot.set_(storage, index * step, shape, strides if own is None else own[index])
     return flat
 
 
@@ -125,12 +128,21 @@ def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
     compat.increment_versions(slots)
 
 
-def _reallocate(slots: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
-    for slot in slots:
-        slot.set_(torch.empty(shape, dtype=dtype, device=device))  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
+def _reallocate(
+    slots: List[torch.Tensor],
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    own: Optional[List[Tuple[int, ...]]],
+) -> None:
+    """Give each slot a fresh tensor of its shape back, with its own strides (``own``; None: its shape's)."""
+    for index, slot in enumerate(slots):
+        strides = contiguous_strides(tuple(shape)) if own is None else own[index]
+        slot.set_(torch.empty_strided(shape, strides, dtype=dtype, device=device))  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
 
 
-def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides torch gives a new tensor of ``shape`` (``torch.empty(shape).stride()``)."""
     strides = []
     step = 1
     for size in reversed(shape):
