@@ -9,6 +9,7 @@ and count the full plans (``planner._plan``) each memgather call made.
 from __future__ import annotations
 
 import contextlib
+import textwrap
 from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -459,12 +460,28 @@ def test_a_kept_plan_keeps_no_group_alive() -> None:
     assert out.split("\n")[:2] == ["{'rebind': 3}", "True"], out
 
 
+# A run_on_fake body's start: memgather patched for user_code with every call rewired, and each full
+# plan counted in ``counted[0]``; ``after_plan[0]``, where set, runs after each full plan.
+_FULL_PLANS_COUNTED = """
+from dataclasses import replace
+from memgather.engine import kept, planner
+memgather.patch(["user_code"])
+core.configure(replace(core.settings(), nccl_min_bytes=0))
+full, counted, after_plan = planner._plan, [0], [None]
+def counting(*args, **kwargs):
+    counted[0] += 1
+    made = full(*args, **kwargs)
+    if after_plan[0] is not None:
+        after_plan[0]()
+    return made
+planner._plan = counting
+"""
+
+
 def test_each_place_a_code_gathers_from_keeps_a_plan_of_its_own() -> None:
     """Two gathers of two shapes in one function, and one Function applied from two lines: each
     place plans its first call in full and its next calls take that plan, not the other place's."""
-    out = run_on_fake("""
-        from dataclasses import replace
-        from memgather.engine import planner
+    out = run_on_fake(_FULL_PLANS_COUNTED + textwrap.dedent("""
         exec(compile('class Gather(torch.autograd.Function):\\n'
                      '    @staticmethod\\n'
                      '    def forward(ctx, t):\\n'
@@ -477,13 +494,6 @@ def test_each_place_a_code_gathers_from_keeps_a_plan_of_its_own() -> None:
                      '    Gather.apply(a)\\n'
                      '    Gather.apply(b)\\n',
                      '<user>', 'exec'), user)
-        memgather.patch(["user_code"])
-        core.configure(replace(core.settings(), nccl_min_bytes=0))  # every call rewired
-        full, counted = planner._plan, [0]
-        def counting(*args, **kwargs):
-            counted[0] += 1
-            return full(*args, **kwargs)
-        planner._plan = counting
         a, b = torch.ones(4), torch.ones(8)
         for name in ("two", "applied"):
             counted[0] = 0
@@ -491,32 +501,23 @@ def test_each_place_a_code_gathers_from_keeps_a_plan_of_its_own() -> None:
             for _ in range(5):
                 user[name](a, b)
             print(name, counted[0], dict(memgather.stats().by_strategy))
-    """)
+    """))
     assert out.split("\n")[:2] == ["two 2 {'rebind': 10}", "applied 2 {'rebind': 10}"], out
 
 
 def test_a_code_that_gathers_from_more_places_than_it_holds_sites_for_still_keeps_plans() -> None:
     """Past the sites a code holds, its places share one: calls that repeat one another take its plan."""
-    out = run_on_fake("""
-        from dataclasses import replace
-        from memgather.engine import kept, planner
+    out = run_on_fake(_FULL_PLANS_COUNTED + textwrap.dedent("""
         places = kept._MAX_SITES + 6
         exec(compile('def many(t):\\n' + '    dist.all_gather([torch.empty_like(t), torch.empty_like(t)], t)\\n' * places,
                      '<user>', 'exec'), user)
-        memgather.patch(["user_code"])
-        core.configure(replace(core.settings(), nccl_min_bytes=0))  # every call rewired
-        full, counted = planner._plan, [0]
-        def counting(*args, **kwargs):
-            counted[0] += 1
-            return full(*args, **kwargs)
-        planner._plan = counting
         t = torch.ones(4)
         print(kept._MAX_SITES)
         for _ in range(3):
             counted[0] = 0
             user["many"](t)
             print(counted[0])
-    """)
+    """))
     held, *rounds = (int(line) for line in out.split())
     assert rounds == [held + 1, 0, 0], out  # one full plan a site held and one for the rest, then none
 
@@ -524,27 +525,17 @@ def test_a_code_that_gathers_from_more_places_than_it_holds_sites_for_still_keep
 def test_a_plan_made_while_the_settings_changed_is_not_taken_under_the_new_ones() -> None:
     """A configure() while a call is planned (another thread's): the plan was made under the old
     settings, so the site's next call is planned in full, on a described group and on a new one."""
-    out = run_on_fake("""
-        from dataclasses import replace
-        from memgather.engine import planner
-        memgather.patch(["user_code"])
-        core.configure(replace(core.settings(), nccl_min_bytes=0))  # every call rewired
-        full, counted, configuring = planner._plan, [0], [False]
-        def counting(*args, **kwargs):
-            counted[0] += 1
-            made = full(*args, **kwargs)
-            if configuring[0]:
-                configuring[0] = False
-                core.configure(replace(core.settings()))  # new settings, as another thread's configure()
-            return made
-        planner._plan = counting
+    out = run_on_fake(_FULL_PLANS_COUNTED + textwrap.dedent("""
+        def configure_once():
+            after_plan[0] = None
+            core.configure(replace(core.settings()))  # new settings, as another thread's configure()
         for per_rank in (64, 128):  # the group's first call, then a described group's (another shape)
-            configuring[0] = True
+            after_plan[0] = configure_once
             counted[0] = 0
             for _ in range(3):
                 user["call"](per_rank)
             print(counted[0])
-    """)
+    """))
     assert out.split("\n")[:2] == ["2", "2"], out
 
 
