@@ -32,7 +32,11 @@ def test_check_raises_on_every_rank_naming_each_shape(pools: Any, numel: int) ->
     results = unwrap(pools(3).run(uneven_check, [numel, numel + 1, numel]))
     for result in results:
         assert result["raised"] and result["is_value_error"]
-        assert result["shapes"] == [([numel], "torch.float32"), ([numel + 1], "torch.float32"), ([numel], "torch.float32")]
+        assert result["shapes"] == [
+            ([numel], "torch.float32"),
+            ([numel + 1], "torch.float32"),
+            ([numel], "torch.float32"),
+        ]
         for rank, size in enumerate([numel, numel + 1, numel]):
             assert f"rank {rank}: ({size},) float32" in result["message"]
 
@@ -53,7 +57,13 @@ def test_check_passes_even_shapes_and_still_rewires(pools: Any) -> None:
 
 @pytest.mark.parametrize(
     "shape,dtype,subgroup",
-    [((), "float32", None), ((4, 3), "bfloat16", None), ((BIG,), "float32", None), ((2, 5), "int64", (0, 2)), ((0, 2), "float32", None)],
+    [
+        ((), "float32", None),
+        ((4, 3), "bfloat16", None),
+        ((BIG,), "float32", None),
+        ((2, 5), "int64", (0, 2)),
+        ((0, 2), "float32", None),
+    ],
 )
 def test_gather_equals_cat_of_all_gather(pools: Any, shape: Any, dtype: str, subgroup: Any) -> None:
     if 0 in shape and not gloo_gathers_empty_tensors():
@@ -172,9 +182,11 @@ def test_no_warning_from_memgathers_own_calls(pools: Any, env: Any) -> None:
 
 @pytest.mark.parametrize(
     "shapes,dtypes,named",
-    [([[4, 3], [5, 3]], ["float32", "float32"], ["rank 0: (4, 3) float32", "rank 1: (5, 3) float32"]),
-     ([[4, 3], [4, 2]], ["float32", "float32"], ["rank 0: (4, 3) float32", "rank 1: (4, 2) float32"]),
-     ([[4, 3], [4, 3]], ["float32", "int32"], ["rank 0: (4, 3) float32", "rank 1: (4, 3) int32"])],
+    [
+        ([[4, 3], [5, 3]], ["float32", "float32"], ["rank 0: (4, 3) float32", "rank 1: (5, 3) float32"]),
+        ([[4, 3], [4, 2]], ["float32", "float32"], ["rank 0: (4, 3) float32", "rank 1: (4, 2) float32"]),
+        ([[4, 3], [4, 3]], ["float32", "int32"], ["rank 0: (4, 3) float32", "rank 1: (4, 3) int32"]),
+    ],
     ids=["first-dim", "trailing-dim", "dtype"],
 )
 def test_check_names_every_kind_of_unevenness(pools: Any, shapes: Any, dtypes: Any, named: Any) -> None:
@@ -196,10 +208,17 @@ def uneven_check(ctx: Any, numel_by_rank: List[int]) -> Dict[str, Any]:
     try:
         memgather.all_gather(slots, filled(ctx.rank, (numel,)), check=True)
     except memgather.UnevenShapesError as error:
-        return {"raised": True, "message": str(error), "shapes": [(list(s), str(d)) for s, d in error.shapes],
-                "is_value_error": isinstance(error, ValueError)}
-    return {"raised": False, "strategy": dict(memgather.stats().by_strategy),
-            "correct": all(torch.equal(s, filled(r, (numel,))) for r, s in enumerate(slots))}
+        return {
+            "raised": True,
+            "message": str(error),
+            "shapes": [(list(s), str(d)) for s, d in error.shapes],
+            "is_value_error": isinstance(error, ValueError),
+        }
+    return {
+        "raised": False,
+        "strategy": dict(memgather.stats().by_strategy),
+        "correct": all(torch.equal(s, filled(r, (numel,))) for r, s in enumerate(slots)),
+    }
 
 
 def gather_with_grad(ctx: Any, numel: int, calls: int) -> Dict[str, Any]:
@@ -241,9 +260,15 @@ def gather_result(ctx: Any, shape: Tuple[int, ...], dtype_name: str, subgroup: O
         return {"member": True, "raised": [ref_raised, type(error).__name__]}
     if ref_raised:
         return {"member": True, "raised": [ref_raised, None]}
-    return {"member": True, "shape": list(got.shape), "want_shape": list(want.shape), "equal": as_bytes(got) == as_bytes(want),
-            "routes": dict(memgather.stats().by_route), "strategies": dict(memgather.stats().by_strategy),
-            "versions": [got._version, want._version]}
+    return {
+        "member": True,
+        "shape": list(got.shape),
+        "want_shape": list(want.shape),
+        "equal": as_bytes(got) == as_bytes(want),
+        "routes": dict(memgather.stats().by_route),
+        "strategies": dict(memgather.stats().by_strategy),
+        "versions": [got._version, want._version],
+    }
 
 
 def async_work(ctx: Any, numel: int) -> Dict[str, Any]:
@@ -253,8 +278,12 @@ def async_work(ctx: Any, numel: int) -> Dict[str, Any]:
     work = memgather.all_gather(slots, filled(ctx.rank, (numel,)), async_op=True)
     is_work = isinstance(work, dist.Work)
     work.wait()
-    return {"is_work": is_work, "completed": work.is_completed(), "strategy": dict(memgather.stats().by_strategy),
-            "correct": all(torch.equal(s, filled(r, (numel,))) for r, s in enumerate(slots))}
+    return {
+        "is_work": is_work,
+        "completed": work.is_completed(),
+        "strategy": dict(memgather.stats().by_strategy),
+        "correct": all(torch.equal(s, filled(r, (numel,))) for r, s in enumerate(slots)),
+    }
 
 
 def failure_after_rebind(ctx: Any, numel: int) -> Dict[str, Any]:
@@ -303,8 +332,13 @@ def peak_growth(ctx: Any, numel: int, slots_kind: str, use_memgather: bool, elid
     del slots, t
     gc.collect()
     dist.barrier()
-    return {"growth": growth, "gathered": numel * 4 * ctx.world, "correct": correct,
-            "strategy": dict(memgather.stats().by_strategy), "route": dict(memgather.stats().by_route)}
+    return {
+        "growth": growth,
+        "gathered": numel * 4 * ctx.world,
+        "correct": correct,
+        "strategy": dict(memgather.stats().by_strategy),
+        "route": dict(memgather.stats().by_route),
+    }
 
 
 def direct_in_place(ctx: Any, numel: int) -> Dict[str, Any]:
@@ -369,5 +403,38 @@ def small_calls_twice(ctx: Any, subgroup: Tuple[int, ...]) -> Dict[str, Any]:
         got.append([s.tolist() for s in slots])
     want = [torch.zeros(3) for _ in range(world)]
     dist.all_gather(want, filled(ctx.rank, (3,)), group=group)
-    return {"member": True, "same": got == [[s.tolist() for s in want]] * 2,
-            "fallbacks": dict(memgather.stats().fallbacks)}
+    return {
+        "member": True,
+        "same": got == [[s.tolist() for s in want]] * 2,
+        "fallbacks": dict(memgather.stats().fallbacks),
+    }
+
+
+@pytest.mark.parametrize(
+    "shape, layout",
+    [((2, 3, 4, 5), torch.contiguous_format), ((2, 3, 1, 1), torch.contiguous_format), ((2, 3, 1, 1), torch.channels_last)],
+)
+def test_a_rebind_whose_buffer_cannot_be_allocated_gives_each_slot_its_shape_and_strides_back(
+    monkeypatch: pytest.MonkeyPatch, shape: Tuple[int, ...], layout: torch.memory_format
+) -> None:
+    from memgather.engine import slots as slots_module
+
+    made = [torch.empty(shape).to(memory_format=layout) for _ in range(2)]  # contiguous, as a rebind takes them
+    before = [(s.shape, s.dtype, s.stride()) for s in made]
+    empty, calls = torch.empty, []
+
+    def out_of_memory_once(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (the flat buffer)")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(slots_module.torch, "empty", out_of_memory_once)
+    with pytest.raises(RuntimeError, match="the flat buffer"):
+        slots_module.rebind(made)
+    monkeypatch.undo()
+    assert [(s.shape, s.dtype, s.stride()) for s in made] == before
+    assert len({compat.storage_ptr(s) for s in made}) == 2  # a storage each, usable: written and read back
+    for index, slot in enumerate(made):
+        slot.fill_(index)
+    assert [s.sum().item() for s in made] == [0.0, float(made[1].numel())]

@@ -137,8 +137,12 @@ def _reallocate(
 ) -> None:
     """Give each slot a fresh tensor of its shape back, with its own strides (``own``; None: its shape's)."""
     for index, slot in enumerate(slots):
-        strides = contiguous_strides(tuple(shape)) if own is None else own[index]
-        slot.set_(torch.empty_strided(shape, strides, dtype=dtype, device=device))  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
+        fresh = (
+            torch.empty(shape, dtype=dtype, device=device)
+            if own is None
+            else torch.empty_strided(shape, own[index], dtype=dtype, device=device)
+        )
+        slot.set_(fresh)  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
 
 
 def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
