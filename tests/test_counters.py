@@ -111,6 +111,24 @@ def test_fallbacks_keep_their_place_among_the_strategies_and_reset_to_nothing() 
     assert dict(after.by_strategy) == {"fallback": 1} and dict(after.fallbacks) == {}
 
 
+def test_kinds_past_the_cap_are_counted_under_the_lock_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that gathers ever new sizes holds at most _MAX_KINDS tallies; past them, each call's
+    strategy, route and bytes are still counted, and still together."""
+    monkeypatch.setattr(counters, "_MAX_KINDS", 3)
+    for size in range(1, 7):  # six kinds: three tallies, three past them
+        counters.record("rebind", route="single_staged", saved=size)
+        counters.record("rebind", route="single_staged", saved=size)
+    counters.record("staged", saved=100)
+    counters.record_fallback("below_threshold")
+    assert len(counters._kinds) == 3
+    final = counters.stats()
+    assert list(final.by_strategy.items()) == [("rebind", 12), ("staged", 1), ("fallback", 1)]
+    assert dict(final.by_route) == {"single_staged": 12}
+    assert final.bytes_saved == 2 * sum(range(1, 7)) + 100
+    counters.reset_stats()
+    assert counters.stats().calls == 0 and counters._beyond == {} and counters._kinds == {}
+
+
 def test_no_snapshot_shows_a_fallback_count_of_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader that comes while the first fallback of a reason is being counted sees it counted."""
     stepping = threading.Event()
@@ -146,13 +164,13 @@ signal.signal(signal.SIGUSR1, lambda *_: seen.append(counters.stats()))
 
 class Interrupted(dict):
     # The handler runs at the next instruction boundary: still inside the locked block in which
-    # record() creates the strategy's tally, before the call is counted on it.
+    # record() creates the tally of the call's kind, before the call is counted on it.
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         signal.raise_signal(signal.SIGUSR1)
 
 
-counters._strategies = Interrupted()
+counters._kinds = Interrupted()
 counters.record("direct", route="single_staged", saved=8)
 after = counters.stats()
 print(len(seen), seen[0].by_strategy.get("direct", 0), after.by_strategy["direct"], after.by_route["single_staged"])

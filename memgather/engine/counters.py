@@ -6,7 +6,7 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 # Re-entrant: a signal handler runs on the thread it interrupts, and one that reads
 # ``memgather.stats()`` (a progress dump on SIGUSR1) may land inside a block that holds the lock.
@@ -35,11 +35,17 @@ class _Tally:
         return int(repr(self._count)[6:-1])  # "count(n)"; pickling, the other way to read it, goes in Python 3.14
 
 
-# Every count is a _Tally. A fallback adds to its own without the lock; a rewired call adds its
-# strategy, route and bytes under it, so a snapshot never splits a call across threads. The lock
-# also guards the creation of a tally (its place in the table: where it first came) and reading.
-_strategies: Dict[str, _Tally] = {}  # strategy -> calls ("fallback": a place-holder, counted in _fallbacks)
-_routes: Dict[str, _Tally] = {}  # route -> calls
+# Every count is a _Tally, added to without a lock. A fallback adds to the tally of its reason. A
+# rewired call adds one step to the tally of its kind, (strategy, route, bytes saved): a snapshot,
+# which sums the kinds, sees the call whole or not at all, and no lock is taken on the path of a
+# call. The lock guards the creation of a tally (its place in the table), reading and resetting.
+_kinds: Dict[Tuple[str, Optional[str], int], _Tally] = {}  # (strategy, route, bytes saved) -> calls
+# Kinds held at most: a process that gathers ever new sizes counts the calls of kinds past them
+# under the lock, into _beyond (strategy -> calls, route -> calls, and the bytes saved).
+_MAX_KINDS = 4096
+_beyond: Dict[str, int] = {}
+_beyond_routes: Dict[str, int] = {}
+_order: Dict[str, None] = {}  # the strategies, in the order they first came ("fallback" among them)
 _fallbacks: Dict[Optional[str], _Tally] = {}  # reason (None: unknown) -> fallback calls
 _bytes_saved = 0
 _verified = 0
@@ -94,26 +100,35 @@ class Stats:
 def record(strategy: str, route: Optional[str] = None, saved: int = 0) -> None:
     """Count one call memgather carried out (fallbacks: ``record_fallback``).
 
-    Under the lock, so that a snapshot from another thread sees the call's strategy,
-    route and bytes together or none of them (a fallback has one count: no lock).
+    One step of the tally of its kind, without a lock: a snapshot from another thread sees the
+    call's strategy, route and bytes together or none of them.
     """
-    global _bytes_saved
-    with _lock:
-        tally = _strategies.get(strategy)
-        (tally or _created(_strategies, strategy)).add()
-        if route is not None:
-            tally = _routes.get(route)
-            (tally or _created(_routes, route)).add()
-        _bytes_saved += saved
-
-
-def _created(table: Dict[Any, _Tally], key: Any) -> _Tally:
-    """``table[key]``, created (empty) where it is not there yet; the caller adds to it."""
-    with _lock:
-        tally = table.get(key)
+    tally = _kinds.get((strategy, route, saved))
+    if tally is None:
+        tally = _kind(strategy, route, saved)
         if tally is None:
-            tally = table[key] = _Tally()
-        return tally
+            return  # a kind past _MAX_KINDS: counted under the lock
+    tally.add()
+
+
+def _kind(strategy: str, route: Optional[str], saved: int) -> Optional[_Tally]:
+    """The tally of a kind of call, created (empty) where it is not there yet; None past ``_MAX_KINDS``,
+    where the call is counted here, under the lock."""
+    global _bytes_saved
+    key = (strategy, route, saved)
+    with _lock:
+        tally = _kinds.get(key)
+        if tally is not None:
+            return tally
+        _order.setdefault(strategy)
+        if len(_kinds) < _MAX_KINDS:
+            tally = _kinds[key] = _Tally()
+            return tally
+        _beyond[strategy] = _beyond.get(strategy, 0) + 1
+        if route is not None:
+            _beyond_routes[route] = _beyond_routes.get(route, 0) + 1
+        _bytes_saved += saved
+        return None
 
 
 def record_fallback(reason: Optional[str]) -> None:
@@ -125,8 +140,7 @@ def record_fallback(reason: Optional[str]) -> None:
                 # Counted before a reader can see it: no snapshot shows a fallback count of 0.
                 _fallbacks[reason] = _Tally()
                 _fallbacks[reason].add()
-                if "fallback" not in _strategies:  # its place among the strategies: where it first came
-                    _strategies["fallback"] = _Tally()
+                _order.setdefault("fallback")  # its place among the strategies: where it first came
                 return
             tally = _fallbacks[reason]
     tally.add()
@@ -143,14 +157,26 @@ def stats() -> Stats:
     """This process's counters, as an immutable snapshot."""
     with _lock:
         fallbacks = {reason: tally.value() for reason, tally in list(_fallbacks.items())}
-        strategies = {name: tally.value() for name, tally in list(_strategies.items())}
+        strategies = dict.fromkeys(_order, 0)
+        routes: Dict[str, int] = {}
+        saved = _bytes_saved
+        for (strategy, route, size), tally in list(_kinds.items()):
+            calls = tally.value()
+            strategies[strategy] += calls
+            if route is not None:
+                routes[route] = routes.get(route, 0) + calls
+            saved += calls * size
+        for strategy, calls in _beyond.items():
+            strategies[strategy] += calls
+        for route, calls in _beyond_routes.items():
+            routes[route] = routes.get(route, 0) + calls
         if "fallback" in strategies:
             strategies["fallback"] += sum(fallbacks.values())
         return Stats(
             MappingProxyType({name: n for name, n in strategies.items() if n or name == "fallback"}),
-            MappingProxyType({name: n for name, n in ((k, t.value()) for k, t in list(_routes.items())) if n}),
+            MappingProxyType({name: n for name, n in routes.items() if n}),
             MappingProxyType({reason: n for reason, n in fallbacks.items() if reason is not None and n}),
-            _bytes_saved,
+            saved,
             _verified,
             _elided,
         )
@@ -160,9 +186,11 @@ def reset_stats() -> None:
     """Zero every counter of this process."""
     global _bytes_saved, _verified, _elided
     with _lock:
-        _strategies.clear()
-        _routes.clear()
-        _fallbacks.clear()  # a call counting at this moment may count into a dropped tally: as if it came just before
+        _kinds.clear()  # a call counting at this moment may count into a dropped tally: as if it came just before
+        _beyond.clear()
+        _beyond_routes.clear()
+        _order.clear()
+        _fallbacks.clear()
         _bytes_saved = 0
         _verified = 0
         _elided = 0
