@@ -295,6 +295,8 @@ def _find_set_versions() -> Optional[Callable[[Sequence[torch.Tensor], Sequence[
 
 
 _set_versions = _find_set_versions()
+# Whether memgather may set a version counter (torch 2.0 on): ``can_set_version()``, read per call.
+SETS_VERSIONS = _set_versions is not None
 
 
 def can_prove_alias_free() -> bool:
@@ -576,11 +578,27 @@ def rank_not_in_group(group: Any) -> bool:
     return dist.distributed_c10d._rank_not_in_group(group)
 
 
+def _find_default_group() -> Callable[[], Any]:
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and "_default_pg" in vars(world):
+        # torch 2.1 on: GroupMember.WORLD is a property of a metaclass that reads _world.default_pg,
+        # a property that reads this attribute; read on every kept plan's call.
+        return lambda: dist.distributed_c10d._world._default_pg
+    return lambda: dist.GroupMember.WORLD
+
+
+# torch's default group, ``GroupMember.WORLD`` (None before init_process_group).
+default_group: Callable[[], Any] = _find_default_group()
+
+
 def is_coalescing(group: Any) -> bool:
     """True inside ``torch.distributed._coalescing_manager`` for ``group``."""
-    # torch 1.13 keeps no such state in Python (its manager only brackets NCCL calls).
+    # torch 1.13 keeps no such state in Python (its manager only brackets NCCL calls). The
+    # attribute behind the property where there is one: asked on every kept plan's call.
     world = getattr(dist.distributed_c10d, "_world", None)
-    state = getattr(world, "pg_coalesce_state", None)
+    state = getattr(world, "_pg_coalesce_state", None)
+    if state is None:
+        state = getattr(world, "pg_coalesce_state", None)
     if not state:
         return False
     return (group or dist.distributed_c10d._get_default_group()) in state

@@ -2,8 +2,9 @@
 
     all_gather(tensor_list, tensor, ...)      memgather's own entry; the wrapper binds a caller's call
       -> call.bind                            the arguments, bound to torch's signature once
-      -> planner.plan                         the plan: strategy, route, agreement, or the reason to leave;
-                                              a call site's kept plan where its facts hold (kept)
+      -> kept.reuse                           a call site's kept plan, where every fact it rests on holds
+      or planner.plan                         else the plan in full: strategy, route, agreement, or the
+                                              reason to leave (kept on the call site where it qualifies)
       -> agreement.poll / agreement.settle    where the plan says so: the ranks' one small exchange,
                                               and the only step that may turn the plan into another
       -> _WRITERS[plan.strategy]              carried out: lay out the output (slots), move the bytes
@@ -112,28 +113,38 @@ def handle(call: Call, site: Optional[kept.Site] = None) -> Any:
     """Carry out one bound call: plan it, agree where the plan says so, execute the plan.
 
     ``site``: the call site's holder of a kept plan (``memgather.engine.kept``), where the
-    call came through the wrapper.
+    call came through the wrapper. Its plan is taken where every fact it rests on holds, with
+    the slots' version counters its re-check read; else the call is planned in full, and the
+    plan kept on the site where it qualifies.
     """
     elision.disarm_reused(call.tensor_list)  # slots armed by an earlier gather are plain again first
-    plan = planner.plan(call, site)
-    if plan.info is None:  # turned away before its group and slots were looked at: most calls, small ones
-        return to_torch(plan.reason, call.args, call.kwargs)
+    taken = kept.reuse(site, call) if site is not None else None
+    if taken is None:
+        plan = planner.plan(call, site)
+        if plan.info is None:  # turned away before its group and slots were looked at: most calls, small ones
+            return to_torch(plan.reason, call.args, call.kwargs)
+    else:
+        plan = taken.plan
+        if not plan.agree and not compat.profiler_enabled():  # a loop's calls: straight to the writer
+            return _rewire(plan, call, taken.before, taken.untracked, taken.apart)
     if compat.profiler_enabled():
-        # One range in a profile for each call memgather planned in full: its collectives, or
+        # One range in a profile for each call memgather planned: its collectives, or
         # torch's call where it falls back, show inside it.
         with torch.autograd.profiler.record_function(PROFILER_RANGE):
-            return _agree_and_execute(plan, call)
-    return _agree_and_execute(plan, call)
+            return _agree_and_execute(plan, call, taken)
+    return _agree_and_execute(plan, call, taken)
 
 
-def _agree_and_execute(plan: Plan, call: Call) -> Any:
+def _agree_and_execute(plan: Plan, call: Call, taken: Optional[kept.Taken]) -> Any:
     if plan.agree:
         gloo_route = _settings.gloo_route
         verdict = agreement.poll(_original_all_gather, call, plan, gloo_route)
         plan = agreement.settle(plan, verdict, gloo_route)
     if not plan.rewires:
         return to_torch(plan.reason, call.args, call.kwargs)
-    return _rewire(plan, call)
+    if taken is None:
+        return _rewire(plan, call, slots.versions(call.tensor_list))
+    return _rewire(plan, call, taken.before, taken.untracked, taken.apart)
 
 
 def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = None) -> torch.Tensor:
@@ -176,21 +187,28 @@ def to_torch(reason: Optional[Reason], args: Tuple[Any, ...], kwargs: Dict[str, 
     return _original_all_gather(*args, **kwargs)
 
 
-def _rewire(plan: Plan, call: Call) -> Any:
-    """Carry out a plan that rewires: its writer moves the bytes; the slots end as torch leaves them."""
+def _rewire(plan: Plan, call: Call, before: List[int], untracked: bool = False, apart: bool = False) -> Any:
+    """Carry out a plan that rewires: its writer moves the bytes; the slots end as torch leaves them.
+
+    ``before``: the slots' version counters, read before anything touched them. ``untracked``: the
+    input does not require grad, so none of memgather's operations can record autograd history.
+    ``apart``: no two slots share a version counter (``slots.mark_written``).
+    """
     route, tensor_list = plan.route, call.tensor_list
     assert route is not None and plan.gathered is not None  # a plan that rewires has both
     counters.record(_COUNTED[plan.strategy], route.name, plan.gathered if route.saves_temp else 0)
-    before = slots.versions(tensor_list)
-    # Under torch the slots never carry autograd history: memgather's own copies must not add any.
-    # Set directly rather than through torch.no_grad(): on the hot path of every rewired call.
-    grad = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
-    try:
-        work, flat = _WRITERS[plan.strategy](route, call)
-    finally:
-        torch._C._set_grad_enabled(grad)
-    slots.mark_written(tensor_list, before)
+    writer = _WRITERS[plan.strategy]
+    if untracked or not torch.is_grad_enabled():
+        work, flat = writer(route, call)
+    else:
+        # Under torch the slots never carry autograd history: memgather's own copies of an input
+        # that requires grad must not add any. Set directly rather than through torch.no_grad().
+        torch._C._set_grad_enabled(False)
+        try:
+            work, flat = writer(route, call)
+        finally:
+            torch._C._set_grad_enabled(True)
+    slots.mark_written(tensor_list, before, apart)
     if call.verify:
         # Plain views of the buffer: the slots themselves may be armed for elision by the time they are read.
         written = tensor_list if flat is None else slots.views(flat, len(tensor_list), call.tensor.shape)

@@ -20,7 +20,6 @@ import weakref
 from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from memgather import compat, config
 from memgather.engine import groups, routes
@@ -68,7 +67,7 @@ def lookup(group: Any, tensor: torch.Tensor, info: Optional[groups.GroupInfo]) -
     ``groups`` holds; None where neither is there, that is, before any call on the group
     was planned in full. Calls nothing in torch.distributed when the entry is kept.
     """
-    pg = group if group is not None else dist.GroupMember.WORLD
+    pg = group if group is not None else compat.default_group()
     kind = "cpu" if tensor.is_cpu else ("cuda" if tensor.is_cuda else tensor.device.type)
     facts = _table.get((id(pg), kind))
     if facts is not None and facts.group() is pg:

@@ -32,7 +32,7 @@ every kept plan.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -43,8 +43,9 @@ from memgather.engine.group_facts import GroupFacts, lookup
 from memgather.engine.plan import Plan
 from memgather.engine.reasons import Strategy
 
-# A per-call check of the slots (strategies): whether choose() answers the outcome a kept plan rests on.
-SlotCheck = Callable[[list, torch.Tensor, torch.Size, Any, int], bool]
+# A per-call check of the slots (strategies): whether choose() answers the outcome a kept plan rests on,
+# given as the slots' version counters read on the way (None: it may not).
+SlotCheck = Callable[[list, torch.Tensor, torch.Size, Any, int, bool], Optional[List[int]]]
 # The plans kept, by strategy, and the check each rests on: REBIND and IN_SLOTS (fresh slots on gloo's
 # broadcasts) on choose() answering REBIND, DIRECT on its answering DIRECT (slots that are views of one
 # buffer, as DeepSpeed's).
@@ -67,6 +68,8 @@ class Kept(NamedTuple):
     dtype: torch.dtype
     keys: Any  # the input's dispatch keys
     slot_keys: Any  # the first slot's
+    versioned: bool  # the slots have version counters (not inference tensors)
+    apart: bool  # no two slots share a version counter: each holds its storage alone (the rebind's check)
     async_op: Any  # True, False or None
     check: bool
     elide: bool
@@ -74,13 +77,32 @@ class Kept(NamedTuple):
     inference: bool  # inference mode when the plan was made
 
 
-class Site:
-    """One call site's kept plan (None: none yet)."""
+class Taken(NamedTuple):
+    """A kept plan taken for one call, with what its re-check read on the way."""
 
-    __slots__ = ("kept",)
+    plan: Plan
+    before: List[int]  # the slots' version counters (``slots.versions``)
+    untracked: bool  # the input does not require grad: nothing memgather does can record autograd history
+    apart: bool  # no two slots share a version counter (each held its storage alone: rebinds_as_kept)
+
+
+# Builds a Taken without the NamedTuple's Python-level __new__ (call.py's Call is built so too).
+_new = tuple.__new__
+
+
+class Site:
+    """One call site's kept plan (None: none yet), and its cat-elision verdict.
+
+    ``elision`` is ``memgather.patching.sites``' to hold: the verdict of the call site's code (with
+    the instruction offset it was proven for, and the bindings it rests on), so that a gatherer's
+    next call reads it here rather than looking it up by its chain of frames.
+    """
+
+    __slots__ = ("kept", "elision")
 
     def __init__(self) -> None:
         self.kept: Optional[Kept] = None
+        self.elision: Optional[Tuple[int, Any, Any]] = None
 
 
 # A code's call sites held at most: the calls of a code that gathers from more places than
@@ -115,8 +137,12 @@ class Sites:
         return site
 
 
-def reuse(site: Site, call: Call) -> Optional[Plan]:
-    """The site's kept plan, where every fact it rests on holds for ``call``; else None."""
+def reuse(site: Site, call: Call) -> Optional[Taken]:
+    """The site's kept plan, where every fact it rests on holds for ``call``; else None.
+
+    ``call`` came through the wrapper (the only caller with a site), which found no compilation
+    under way.
+    """
     kept = site.kept
     if kept is None:
         return None
@@ -133,23 +159,24 @@ def reuse(site: Site, call: Call) -> Optional[Plan]:
         and len(call.tensor_list) == kept.world
     ):
         return None
+    # (Not compiling: the wrapper, the only caller with a site, asked on its way here.)
     if (
         compat.function_mode_active()
         or compat.dispatch_mode_active()
-        or compat.is_compiling()
         or torch.is_inference_mode_enabled() is not kept.inference
         or compat.dispatch_keys(tensor) != kept.keys  # type: ignore[misc]  # present: kept plans need it
         or lookup(call.group, tensor, None) is not kept.facts
-        or compat.unregistered_group(call.group)
+        or (call.group is not None and compat.unregistered_group(call.group))
         or compat.is_coalescing(call.group)
     ):
         return None
     route = kept.plan.route
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         return None  # the route reads the input as raw memory (legacy NCCL's): planned in full
-    if not kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank):
+    before = kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)
+    if before is None:
         return None
-    return kept.plan
+    return _new(Taken, (kept.plan, before, not tensor.requires_grad, kept.apart))
 
 
 def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
@@ -181,7 +208,8 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
         return
     keys = compat.dispatch_keys(tensor)
     slot_keys = compat.dispatch_keys(tensor_list[0])
-    if not checked(tensor_list, tensor, tensor.shape, slot_keys, plan.info.rank):
+    versioned = not tensor_list[0].is_inference()
+    if checked(tensor_list, tensor, tensor.shape, slot_keys, plan.info.rank, versioned) is None:
         site.kept = None  # choose() answered otherwise (IN_SLOTS by fill_in_slots, DIRECT armed...): not kept
         return
     site.kept = Kept(
@@ -194,6 +222,8 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
         tensor.dtype,
         keys,
         slot_keys,
+        versioned,
+        checked is strategies.rebinds_as_kept_on,
         call.async_op,
         call.check,
         call.elide,

@@ -44,11 +44,11 @@ def available() -> bool:
 
 def advise(tensor: Any) -> None:
     """Ask for huge pages under a large, contiguous CPU tensor about to be written."""
+    size = tensor.numel() * tensor.element_size()
+    if size < MIN_BYTES or not tensor.is_cpu:  # first: every rebind asks, most of them small
+        return
     madvise = _load_madvise()
     if madvise is None:
-        return
-    size = tensor.numel() * tensor.element_size()
-    if size < MIN_BYTES or not tensor.is_cpu:
         return
     start = tensor.data_ptr()
     first = (start + _PAGE - 1) & ~(_PAGE - 1)

@@ -38,8 +38,8 @@ def plan(call: Call, site: Optional[kept.Site] = None) -> Plan:
     """The call's plan: its strategy and route, whether the ranks agree first, or why torch takes it.
 
     ``site``: the call site's holder of a kept plan (``memgather.engine.kept``), where the call
-    came through the wrapper. Its plan is taken where every fact it rests on holds; a plan made
-    in full here is kept on it where it qualifies.
+    came through the wrapper: a plan made in full here is kept on it where it qualifies (its
+    next calls take it, ``kept.reuse``, before they come here).
 
     The first lines recognise what certainly goes to torch from cheap facts.
     Small calls are the most frequent kind and the ones where memgather's own
@@ -51,10 +51,6 @@ def plan(call: Call, site: Optional[kept.Site] = None) -> Plan:
     seen before, a subclass, a malformed list, another backend) is planned in
     full, and such a call too ends with the original all_gather.
     """
-    if site is not None:
-        reused = kept.reuse(site, call)
-        if reused is not None:
-            return reused
     tensor = call.tensor
     if type(tensor) is not torch.Tensor:
         return _plan(call)

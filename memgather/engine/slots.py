@@ -62,7 +62,8 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     # A contiguous slot has its shape's strides but on dims of size 1, where any stride is contiguous
     # (empty_like of a channels_last (N, C, 1, 1) keeps (C, 1, C, C)): each keeps its own, as under torch.
     own = [slot.stride() for slot in slots] if 1 in shape else None
-    cuda_memory.release_on_current_stream(slots)  # before set_(): after it, the new storage would be recorded
+    if device.type == "cuda":  # before set_(): after it, the new storage would be recorded
+        cuda_memory.release_on_current_stream(slots)
     for slot in slots:
         slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
     try:
@@ -70,10 +71,12 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     except BaseException:
         _reallocate(slots, shape, dtype, device, own)
         raise
-    pages.advise(flat)
+    total = flat.numel()
+    if total * flat.element_size() >= pages.MIN_BYTES:  # (most rebinds are small: no call for them)
+        pages.advise(flat)
     storage = flat.untyped_storage()
     strides = flat.stride() if len(shape) else ()  # a slot is flat's rows d0 at a time: same strides
-    step = flat.numel() // len(slots)
+    step = total // len(slots)
     for index, slot in enumerate(slots):
         slot.set_(storage, index * step, shape, strides if own is None else own[index])
     return flat
@@ -112,19 +115,23 @@ def versions(slots: List[torch.Tensor]) -> List[int]:
     return [-1 if slot.is_inference() else slot._version for slot in slots]
 
 
-def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
+def mark_written(slots: List[torch.Tensor], before: List[int], apart: bool = False) -> None:
     """Leave the slots' version counters as the original all_gather does: one bump per slot.
 
     torch's list call copies into each slot in turn, so a counter that several
     slots share (views of one tensor) moves once per slot. memgather's own
     ``set_`` and copies bump the counters too; those are not writes torch would
     make, so the counters are first set back to ``before`` where torch allows it.
+    ``apart``: no two slots share a counter (each held its storage alone), so each
+    is set to its own ``before`` + 1 at once.
     """
     if -1 in before:  # inference tensors among them: they have no counter to set or bump
         counted = [(slot, version) for slot, version in zip(slots, before) if version >= 0]
         slots, before = [slot for slot, _ in counted], [version for _, version in counted]
-    if compat.can_set_version():
-        compat.set_versions(slots, before)
+    elif apart and compat.SETS_VERSIONS:
+        compat.set_versions(slots, [version + 1 for version in before])
+        return
+    compat.set_versions(slots, before)  # (does nothing where torch cannot)
     compat.increment_versions(slots)
 
 

@@ -21,7 +21,7 @@ reference to a storage.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Union
 
 import torch
 
@@ -49,19 +49,25 @@ def choose(tensor_list: Any, tensor: Any, world: int, rank: int) -> Outcome:
     return _rebind_refusal(tensor_list, tensor) or Strategy.REBIND
 
 
-def rebinds_as_kept(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any) -> bool:
+def rebinds_as_kept(
+    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, versioned: bool = True
+) -> Optional[List[int]]:
     """Whether ``choose`` would answer REBIND for these CPU slots, read in one pass: a kept plan's
     per-call check (``memgather.engine.kept``), where the input was found as when it was kept.
+    Returns the slots' version counters, read on the way (``slots.versions``), or None.
 
     ``keys`` are the dispatch keys of a slot that passed ``choose`` in full: the same keys mean
     the same device type, a strided layout, no conjugate or negative bit, the same inference
-    status (inference mode is part of the kept plan's key) and no functorch wrapper. Each slot
-    is then held to every other fact ``_check_slots``, ``_adjacent`` and ``_rebind_refusal``
-    read: the input's dtype, the shape, no grad, contiguous, private memory held by the slot alone
-    (``rebindable_cpu_slot``), not the input itself, no slot twice, and (of two or more slots) not
-    already adjacent. A False sends the call to the full plan, which names the precise reason.
+    status (inference mode is part of the kept plan's key; ``versioned``: not inference tensors,
+    which have no version counter) and no functorch wrapper. Each slot is then held to every
+    other fact ``_check_slots`` and ``_rebind_refusal`` read: the input's dtype, the shape, no
+    grad, contiguous, private memory held by the slot alone (``rebindable_cpu_slot``), not the
+    input itself, and no slot twice. Slots that each hold their storage alone are in storages
+    of their own, which ``_adjacent`` never finds adjacent: choose() rebinds them. A None sends
+    the call to the full plan, which names the precise reason.
     """
     dtype = tensor.dtype
+    before = []
     for slot in tensor_list:
         if not (
             type(slot) is torch.Tensor
@@ -73,24 +79,26 @@ def rebinds_as_kept(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, 
             and slot.is_contiguous()
             and compat.rebindable_cpu_slot(slot)
         ):
-            return False
-    first, second = tensor_list[0], tensor_list[1]
-    if second.data_ptr() == first.data_ptr() + first.numel() * first.element_size():
-        return False  # adjacent, perhaps: choose() tells whether DIRECT
-    return len({id(slot) for slot in tensor_list}) == len(tensor_list)
+            return None
+        before.append(slot._version if versioned else -1)
+    return before if len(set(map(id, tensor_list))) == len(tensor_list) else None
 
 
-def direct_as_kept(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int) -> bool:
+def direct_as_kept(
+    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int, versioned: bool = True
+) -> Optional[List[int]]:
     """Whether ``choose`` would answer DIRECT for these slots, read in one pass: a kept plan's
     per-call check (``memgather.engine.kept``), where the input was found as when it was kept.
+    Returns the slots' version counters, read on the way, or None.
 
-    ``keys`` as for ``rebinds_as_kept``. Each slot is held to what ``_check_slots`` and
-    ``_adjacent`` read: a plain tensor of the input's dtype and shape, no grad, contiguous,
-    starting where the slot before it ends, in one storage (distinct addresses of non-empty
-    slots: no slot twice). Then ``_input_overlaps_region`` must clear the input.
+    ``keys`` and ``versioned`` as for ``rebinds_as_kept``. Each slot is held to what
+    ``_check_slots`` and ``_adjacent`` read: a plain tensor of the input's dtype and shape, no
+    grad, contiguous, starting where the slot before it ends, in one storage (distinct addresses
+    of non-empty slots: no slot twice). Then ``_input_overlaps_region`` must clear the input.
     """
     dtype = tensor.dtype
     start = step = storage = 0
+    before = []
     for index, slot in enumerate(tensor_list):
         if not (
             type(slot) is torch.Tensor
@@ -100,18 +108,21 @@ def direct_as_kept(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, k
             and keys_of(slot) == keys  # type: ignore[misc]  # present: kept plans need it
             and slot.is_contiguous()
         ):
-            return False
+            return None
         # Addresses read only once the keys said dense memory (a sparse slot has none to read).
         if index == 0:
             start, step, storage = slot.data_ptr(), slot.numel() * slot.element_size(), compat.storage_ptr(slot)
         elif slot.data_ptr() != start + index * step or compat.storage_ptr(slot) != storage:
-            return False
-    return step > 0 and not _input_overlaps_region(tensor, tensor_list, rank)
+            return None
+        before.append(slot._version if versioned else -1)
+    return before if step > 0 and not _input_overlaps_region(tensor, tensor_list, rank) else None
 
 
-def rebinds_as_kept_on(tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int) -> bool:
+def rebinds_as_kept_on(
+    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int, versioned: bool = True
+) -> Optional[List[int]]:
     """``rebinds_as_kept`` with ``direct_as_kept``'s signature (the rank is not needed)."""
-    return len(tensor_list) > 1 and rebinds_as_kept(tensor_list, tensor, shape, keys)
+    return rebinds_as_kept(tensor_list, tensor, shape, keys, versioned) if len(tensor_list) > 1 else None
 
 
 keys_of = compat.dispatch_keys

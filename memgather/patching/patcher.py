@@ -187,13 +187,14 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         else:
             (known, place), gatherer = _decide(frame, active), False
         if known[1]:
+            site = known[3].at(place)
             elide = known[2]
             if elide is None:  # the call site's own code decides, proven once per site
-                elide = sites.elides(frame, args[0] if args else kwargs.get("tensor_list"), gatherer)
+                elide = sites.elides(frame, args[0] if args else kwargs.get("tensor_list"), gatherer, site)
             call = bind(args, kwargs, active.check, elide, active.verify)
             if call is None:  # arguments torch's signature does not take: torch's own TypeError
                 return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
-            return core.handle(call, known[3].at(place))
+            return core.handle(call, site)
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)

@@ -52,32 +52,55 @@ _verdicts: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}
 _MISSING = object()
 
 
-def elides(frame: Optional[FrameType], tensor_list: Any = None, gatherer: bool = False) -> bool:
+def elides(frame: Optional[FrameType], tensor_list: Any = None, gatherer: bool = False, site: Any = None) -> bool:
     """Whether a gather made from ``frame`` (the all_gather wrapper's caller) into ``tensor_list`` is
     proven to drop its list: the call site's code, and (checked on every call) slots that nothing but
     the list holds, as fresh slots are. ``gatherer``: ``frame`` is known to be the gathering frame
-    itself, neither wrapt's nor memgather's nor a Function's forward (the patcher's walk found it so)."""
-    return verdict(frame, gatherer).proven and _held_by_the_list_alone(tensor_list)
+    itself, neither wrapt's nor memgather's nor a Function's forward (the patcher's walk found it so).
+    ``site``: the ``memgather.engine.kept.Site`` of a gatherer's call, which holds the verdict for
+    its next call (``verdict``)."""
+    return verdict(frame, gatherer, site).proven and _held_by_the_list_alone(tensor_list)
 
 
-def verdict(frame: Optional[FrameType], gatherer: bool = False) -> Verdict:
-    """The proof's verdict for the call site ``frame`` is at (proven once, then looked up)."""
+def verdict(frame: Optional[FrameType], gatherer: bool = False, site: Any = None) -> Verdict:
+    """The proof's verdict for the call site ``frame`` is at (proven once, then looked up).
+
+    ``site``: where a gatherer's verdict is held for its next call, with the instruction it was
+    proven for (a site may serve more than one place: ``kept.Sites``), sparing the lookup by chain.
+    """
+    if site is not None and gatherer and frame is not None:
+        held = site.elision
+        if held is not None and held[0] == frame.f_lasti and _still_bound(held[1], held[2]):
+            return held[1]
+        found, bindings = _verdict(frame, gatherer)
+        site.elision = (frame.f_lasti, found, bindings)
+        return found
+    return _verdict(frame, gatherer)[0]
+
+
+def _still_bound(found: Verdict, bindings: Bindings) -> bool:
+    """Whether a kept verdict still holds: a refusal always; a proof while every name it resolved
+    still names the same object."""
+    return not found.proven or all(space.get(name, _MISSING) is thing for space, name, thing in bindings)
+
+
+def _verdict(frame: Optional[FrameType], gatherer: bool) -> Tuple[Verdict, Bindings]:
+    """``verdict``, with the bindings it rests on, looked up by the chain of frames."""
     chain = [frame] if gatherer and frame is not None else _chain(frame)
     if not chain:
-        return proof.refuse("no calling frame")
+        return proof.refuse("no calling frame"), ()
     # A gatherer's own frame alone, as at most call sites: its key without a generator, per call.
     key: Key = ((id(chain[0].f_code), chain[0].f_lasti),) if len(chain) == 1 else _key(chain)
     known = _verdicts.get(key)
-    if known is not None and _same_codes(known[0], chain):
-        if not known[1].proven or all(space.get(name, _MISSING) is thing for space, name, thing in known[2]):
-            return known[1]
+    if known is not None and _same_codes(known[0], chain) and _still_bound(known[1], known[2]):
+        return known[1], known[2]
     found, where, bindings = _prove(chain)
     with _lock:
         if len(_verdicts) >= _MAX_SITES:
             _verdicts.clear()
         _verdicts[key] = (tuple(f.f_code for f in chain), found, bindings)
     _log.info("memgather: cat elision at %s: %s (%s)", _where(where), "on" if found.proven else "off", found.reason)
-    return found
+    return found, bindings
 
 
 def _key(chain: List[FrameType]) -> Key:
