@@ -50,8 +50,8 @@ SlotCheck = Callable[[list, torch.Tensor, torch.Size, Any, int, bool], Optional[
 # broadcasts) on choose() answering REBIND, DIRECT on its answering DIRECT (slots that are views of one
 # buffer, as DeepSpeed's).
 _CHECKS: Dict[Strategy, SlotCheck] = {
-    Strategy.REBIND: strategies.rebinds_as_kept_on,
-    Strategy.IN_SLOTS: strategies.rebinds_as_kept_on,
+    Strategy.REBIND: strategies.rebinds_as_kept,
+    Strategy.IN_SLOTS: strategies.rebinds_as_kept,
     Strategy.DIRECT: strategies.direct_as_kept,
 }
 
@@ -223,7 +223,7 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
         keys,
         slot_keys,
         versioned,
-        checked is strategies.rebinds_as_kept_on,
+        checked is strategies.rebinds_as_kept,
         call.async_op,
         call.check,
         call.elide,

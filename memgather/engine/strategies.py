@@ -50,22 +50,25 @@ def choose(tensor_list: Any, tensor: Any, world: int, rank: int) -> Outcome:
 
 
 def rebinds_as_kept(
-    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, versioned: bool = True
+    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int = 0, versioned: bool = True
 ) -> Optional[List[int]]:
     """Whether ``choose`` would answer REBIND for these CPU slots, read in one pass: a kept plan's
     per-call check (``memgather.engine.kept``), where the input was found as when it was kept.
     Returns the slots' version counters, read on the way (``slots.versions``), or None.
 
-    ``keys`` are the dispatch keys of a slot that passed ``choose`` in full: the same keys mean
-    the same device type, a strided layout, no conjugate or negative bit, the same inference
-    status (inference mode is part of the kept plan's key; ``versioned``: not inference tensors,
-    which have no version counter) and no functorch wrapper. Each slot is then held to every
-    other fact ``_check_slots`` and ``_rebind_refusal`` read: the input's dtype, the shape, no
-    grad, contiguous, private memory held by the slot alone (``rebindable_cpu_slot``), not the
-    input itself, and no slot twice. Slots that each hold their storage alone are in storages
-    of their own, which ``_adjacent`` never finds adjacent: choose() rebinds them. A None sends
-    the call to the full plan, which names the precise reason.
+    ``rank`` is not needed (the signature is ``direct_as_kept``'s). ``keys`` are the dispatch keys of
+    a slot that passed ``choose`` in full: the same keys mean the same device type, a strided
+    layout, no conjugate or negative bit, the same inference status (inference mode is part of the
+    kept plan's key; ``versioned``: not inference tensors, which have no version counter) and no
+    functorch wrapper. Each slot is then held to every other fact ``_check_slots`` and
+    ``_rebind_refusal`` read: the input's dtype, the shape, no grad, contiguous, private memory held
+    by the slot alone (``rebindable_cpu_slot``), not the input itself, and no slot twice. Slots that
+    each hold their storage alone lie in storages of their own, which ``_adjacent`` never finds
+    adjacent (it asks for one storage): choose() rebinds two or more of them. A None sends the call
+    to the full plan, which names the precise reason.
     """
+    if len(tensor_list) < 2:
+        return None  # one slot is a region of its own: choose() answers DIRECT for it
     dtype = tensor.dtype
     before = []
     for slot in tensor_list:
@@ -116,13 +119,6 @@ def direct_as_kept(
             return None
         before.append(slot._version if versioned else -1)
     return before if step > 0 and not _input_overlaps_region(tensor, tensor_list, rank) else None
-
-
-def rebinds_as_kept_on(
-    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int, versioned: bool = True
-) -> Optional[List[int]]:
-    """``rebinds_as_kept`` with ``direct_as_kept``'s signature (the rank is not needed)."""
-    return rebinds_as_kept(tensor_list, tensor, shape, keys, versioned) if len(tensor_list) > 1 else None
 
 
 keys_of = compat.dispatch_keys

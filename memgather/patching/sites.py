@@ -59,6 +59,10 @@ def elides(frame: Optional[FrameType], tensor_list: Any = None, gatherer: bool =
     itself, neither wrapt's nor memgather's nor a Function's forward (the patcher's walk found it so).
     ``site``: the ``memgather.engine.kept.Site`` of a gatherer's call, which holds the verdict for
     its next call (``verdict``)."""
+    if site is not None and gatherer and frame is not None:
+        held = site.elision
+        if held is not None and held[0] == frame.f_lasti and not held[1].proven:
+            return False  # the site's kept refusal, as verdict() would read it: most sites, on every call
     return verdict(frame, gatherer, site).proven and _held_by_the_list_alone(tensor_list)
 
 
