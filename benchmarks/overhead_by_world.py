@@ -62,23 +62,33 @@ exec(compile("import torch.distributed as dist\\ndef gather(slots, tensor):\\n  
              "<user>", "exec"), user := {"__name__": "user_code"})
 def kept(slots, tensor):
     user["gather"](slots, tensor)
-times = {"torch": [], "memgather": [], "by_hand": [], "kept": []}
+# A call site that makes its slots in the call, like the input (benchmarks/user_code.py): the kept
+# plan's proof reads each slot only for who holds it (memgather.patching.proof.slots_like_input).
+from benchmarks import user_code
+def made_like():
+    started = time.perf_counter()
+    for _ in range(calls):
+        user_code.like_input(tensor, world)
+    return (time.perf_counter() - started) / calls * 1e6
+times = {"torch": [], "memgather": [], "by_hand": [], "kept": [], "made_like": []}
 for _ in range(7):
     times["torch"].append(run(dist.all_gather))
     times["memgather"].append(run(memgather.all_gather))
     times["by_hand"].append(run(by_hand))
-    memgather.patch(["user_code"])
+    memgather.patch(["user_code", "benchmarks.user_code"])
     times["kept"].append(run(kept))
+    times["made_like"].append(made_like())
     memgather.unpatch()
-assert memgather.stats().rewired == 2 * 7 * calls, memgather.stats()
+assert memgather.stats().rewired == 3 * 7 * calls, memgather.stats()
 print(json.dumps({name: statistics.median(values) for name, values in times.items()}))
 """
 
 
-def measure(world: int, calls: int) -> Tuple[float, float, float, float]:
+def measure(world: int, calls: int) -> Tuple[float, float, float, float, float]:
     """Median microseconds per call at ``world`` ranks: torch's, memgather's planned in full
     (``memgather.all_gather``, as every CUDA call is), the rebind's torch calls by hand, and
-    memgather's from a target's call site through the wrapper, its plan kept (as in a loop)."""
+    memgather's from a target's call site through the wrapper, its plan kept (as in a loop):
+    slots passed in, then slots made like the input in the call."""
     env = {**os.environ, "MEMGATHER_NCCL_MIN_BYTES": "0", "TORCH_DISTRIBUTED_DEBUG": "OFF"}
     done = subprocess.run(
         [sys.executable, "-c", _ONE_WORLD, str(world), str(calls), ROOT],
@@ -89,7 +99,7 @@ def measure(world: int, calls: int) -> Tuple[float, float, float, float]:
         check=True,
     )
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    return row["torch"], row["memgather"], row["by_hand"], row["kept"]
+    return row["torch"], row["memgather"], row["by_hand"], row["kept"], row["made_like"]
 
 
 def fit(points: List[Tuple[int, float]]) -> Tuple[float, float]:
@@ -107,21 +117,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--worlds", default="2,8,16,64", help="comma-separated world sizes (default 2,8,16,64)")
     parser.add_argument("--calls", type=int, default=2000, help="calls per round (default 2000)")
     args = parser.parse_args(argv)
-    points, own, own_kept = [], [], []
-    print("planned in full: memgather.all_gather (every CUDA call); kept: a target's call site, its plan kept")
+    points, own, own_kept, own_like = [], [], [], []
+    print(
+        "planned in full: memgather.all_gather (every CUDA call); kept: a target's call site, its plan kept "
+        "(slots passed in); made like: the same, slots made like the input in the call"
+    )
     print(
         f"{'ranks':>6} {'torch us':>10} {'memgather us':>13} {'excess us':>10} {'rebind by hand us':>18} "
-        f"{'own us':>7} {'own / torch':>12} {'kept us':>8} {'own kept us':>12} {'own kept / torch':>17}"
+        f"{'own us':>7} {'own / torch':>12} {'own kept us':>12} {'own kept / torch':>17} "
+        f"{'own made like us':>17} {'made like / torch':>18}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
-        torchs, ours, by_hand, kept = measure(world, args.calls)
+        torchs, ours, by_hand, kept, like = measure(world, args.calls)
         points.append((world, ours - torchs))
         own.append((world, ours - by_hand))
         own_kept.append((world, kept - by_hand))
+        own_like.append((world, like - by_hand))
         print(
             f"{world:>6} {torchs:>10.1f} {ours:>13.1f} {ours - torchs:>10.1f} {by_hand:>18.1f} "
-            f"{ours - by_hand:>7.1f} {(ours - by_hand) / torchs:>11.2f}x {kept:>8.1f} {kept - by_hand:>12.1f} "
-            f"{(kept - by_hand) / torchs:>16.2f}x"
+            f"{ours - by_hand:>7.1f} {(ours - by_hand) / torchs:>11.2f}x {kept - by_hand:>12.1f} "
+            f"{(kept - by_hand) / torchs:>16.2f}x {like - by_hand:>17.1f} {(like - by_hand) / torchs:>17.2f}x"
         )
     if len(points) > 1:
         a, b = fit(points)
@@ -130,6 +145,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"memgather's own Python, planned in full ~= {a:.1f} us + {b:.2f} us x ranks")
         a, b = fit(own_kept)
         print(f"memgather's own Python, plan kept ~= {a:.1f} us + {b:.2f} us x ranks")
+        a, b = fit(own_like)
+        print(f"memgather's own Python, plan kept, slots made like the input ~= {a:.1f} us + {b:.2f} us x ranks")
     return 0
 
 

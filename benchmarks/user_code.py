@@ -22,6 +22,12 @@ def call(tensor: torch.Tensor) -> None:
     dist.all_gather([torch.empty_like(tensor), torch.empty_like(tensor)], tensor)
 
 
+def like_input(tensor: torch.Tensor, world: int) -> None:
+    """Fresh slots made like the input in the call, one per rank (the kept plan's proof reads them so:
+    ``memgather.patching.proof.slots_like_input``)."""
+    dist.all_gather([torch.empty_like(tensor) for _ in range(world)], tensor)
+
+
 def into(slots: List[torch.Tensor], tensor: torch.Tensor) -> None:
     """The caller's own slots (the direct slots rows: views of one buffer)."""
     dist.all_gather(slots, tensor)

@@ -475,6 +475,19 @@ def rebindable_cpu_slot(tensor: torch.Tensor) -> bool:
     )
 
 
+def exclusive_cpu_slot(tensor: torch.Tensor) -> bool:
+    """``rebindable_cpu_slot``'s reads of who holds ``tensor``, without those of its memory kind:
+    nothing but ``tensor`` holds its storage, and nothing but Python holds ``tensor``. For slots
+    whose memory the call site's code proved to be new memory of torch's CPU allocator
+    (``memgather.patching.proof.slots_like_input``). Calibrated alike: the same references."""
+    storage = tensor.untyped_storage()
+    return (
+        _use_count(storage._cdata) == _SOLE_REBINDABLE[0]  # type: ignore[misc]  # present: can_prove_exclusive()
+        and sys.getrefcount(storage) == _SOLE_REBINDABLE[1]
+        and _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_exclusive()
+    )
+
+
 def _rebindable_counts(tensor: torch.Tensor) -> Tuple[int, int]:
     # rebindable_cpu_slot's reads, with its references: its calibration.
     storage = tensor.untyped_storage()

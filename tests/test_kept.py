@@ -346,6 +346,7 @@ _KINDS = (
     "shared_memory",
     "dlpack",
     "sparse",
+    "emptied",
 )
 
 
@@ -389,6 +390,10 @@ def _slot(kind: str, tensor: torch.Tensor, kept: List[Any], earlier: List[torch.
         kept.append(torch.utils.dlpack.to_dlpack(slot))
     elif kind == "sparse":
         slot = torch.zeros(4, 3).to_sparse()
+    elif kind == "emptied":  # its storage resized away (as FSDP frees a flat parameter): address 0
+        slot = torch.empty(0)
+        slot.set_(torch.UntypedStorage(96), 12 * len(earlier), (4, 3), (3, 1))  # type: ignore[call-overload]
+        slot.untyped_storage().resize_(0)
     else:
         slot = torch.zeros(4, 3)
     return slot

@@ -109,16 +109,17 @@ def all_gather(
     )
 
 
-def handle(call: Call, site: Optional[kept.Site] = None) -> Any:
+def handle(call: Call, site: Optional[kept.Site] = None, made_like: bool = False) -> Any:
     """Carry out one bound call: plan it, agree where the plan says so, execute the plan.
 
     ``site``: the call site's holder of a kept plan (``memgather.engine.kept``), where the
     call came through the wrapper. Its plan is taken where every fact it rests on holds, with
     the slots' version counters its re-check read; else the call is planned in full, and the
-    plan kept on the site where it qualifies.
+    plan kept on the site where it qualifies. ``made_like``: the site's code proves the slots
+    new tensors made like the input (``kept.reuse``).
     """
     elision.disarm_reused(call.tensor_list)  # slots armed by an earlier gather are plain again first
-    taken = kept.reuse(site, call) if site is not None else None
+    taken = kept.reuse(site, call, made_like) if site is not None else None
     if taken is None:
         plan = planner.plan(call, site)
         if plan.info is None:  # turned away before its group and slots were looked at: most calls, small ones

@@ -162,12 +162,14 @@ def stats() -> Stats:
         saved = _bytes_saved
         for (strategy, route, size), tally in list(_kinds.items()):
             calls = tally.value()
-            strategies[strategy] += calls
+            # (.get: a reset_stats() from a signal handler between a kind's creation and its entry
+            # in _order leaves the kind without its place; it then comes last.)
+            strategies[strategy] = strategies.get(strategy, 0) + calls
             if route is not None:
                 routes[route] = routes.get(route, 0) + calls
             saved += calls * size
         for strategy, calls in _beyond.items():
-            strategies[strategy] += calls
+            strategies[strategy] = strategies.get(strategy, 0) + calls
         for route, calls in _beyond_routes.items():
             routes[route] = routes.get(route, 0) + calls
         if "fallback" in strategies:

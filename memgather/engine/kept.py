@@ -69,7 +69,7 @@ class Kept(NamedTuple):
     keys: Any  # the input's dispatch keys
     slot_keys: Any  # the first slot's
     versioned: bool  # the slots have version counters (not inference tensors)
-    apart: bool  # no two slots share a version counter: each holds its storage alone (the rebind's check)
+    rebinds: bool  # the plan rests on choose() answering REBIND (rebinds_as_kept): a rebind, or in_slots
     async_op: Any  # True, False or None
     check: bool
     elide: bool
@@ -83,7 +83,7 @@ class Taken(NamedTuple):
     plan: Plan
     before: List[int]  # the slots' version counters (``slots.versions``)
     untracked: bool  # the input does not require grad: nothing memgather does can record autograd history
-    apart: bool  # no two slots share a version counter (each held its storage alone: rebinds_as_kept)
+    apart: bool  # no two slots share a version counter (new tensors, proven so: made_like_as_kept)
 
 
 # Builds a Taken without the NamedTuple's Python-level __new__ (call.py's Call is built so too).
@@ -137,11 +137,13 @@ class Sites:
         return site
 
 
-def reuse(site: Site, call: Call) -> Optional[Taken]:
+def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
     """The site's kept plan, where every fact it rests on holds for ``call``; else None.
 
     ``call`` came through the wrapper (the only caller with a site), which found no compilation
-    under way.
+    under way. ``made_like``: the site's code proves the slots new tensors made like the input
+    (``memgather.patching.proof.slots_like_input``); for a rebind of a contiguous input, each
+    slot is then read only for who holds it (``strategies.made_like_as_kept``).
     """
     kept = site.kept
     if kept is None:
@@ -173,10 +175,15 @@ def reuse(site: Site, call: Call) -> Optional[Taken]:
     route = kept.plan.route
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         return None  # the route reads the input as raw memory (legacy NCCL's): planned in full
-    before = kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)
+    if made_like and kept.rebinds and tensor.is_contiguous():
+        before = strategies.made_like_as_kept(call.tensor_list, kept.versioned)
+        apart = True  # new tensors: a version counter each
+    else:
+        before = kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)
+        apart = False  # slots holding their storage alone may still share a counter (a detach()'s, set_() since)
     if before is None:
         return None
-    return _new(Taken, (kept.plan, before, not tensor.requires_grad, kept.apart))
+    return _new(Taken, (kept.plan, before, not tensor.requires_grad, apart))
 
 
 def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:

@@ -62,10 +62,10 @@ def rebinds_as_kept(
     kept plan's key; ``versioned``: not inference tensors, which have no version counter) and no
     functorch wrapper. Each slot is then held to every other fact ``_check_slots`` and
     ``_rebind_refusal`` read: the input's dtype, the shape, no grad, contiguous, private memory held
-    by the slot alone (``rebindable_cpu_slot``), not the input itself, and no slot twice. Slots that
-    each hold their storage alone lie in storages of their own, which ``_adjacent`` never finds
-    adjacent (it asks for one storage): choose() rebinds two or more of them. A None sends the call
-    to the full plan, which names the precise reason.
+    by the slot alone (``rebindable_cpu_slot``), not the input itself, no slot twice, and the second
+    slot not starting where the first ends (storages emptied by ``resize_(0)`` all start at address
+    0: ``_adjacent`` may find such slots adjacent, and choose() answers DIRECT). A None sends the
+    call to the full plan, which names the precise reason.
     """
     if len(tensor_list) < 2:
         return None  # one slot is a region of its own: choose() answers DIRECT for it
@@ -82,6 +82,28 @@ def rebinds_as_kept(
             and slot.is_contiguous()
             and compat.rebindable_cpu_slot(slot)
         ):
+            return None
+        before.append(slot._version if versioned else -1)
+    first, second = tensor_list[0], tensor_list[1]
+    if second.data_ptr() == first.data_ptr() + first.numel() * first.element_size():
+        return None  # adjacent, perhaps: choose() tells whether DIRECT
+    return before if len(set(map(id, tensor_list))) == len(tensor_list) else None
+
+
+def made_like_as_kept(tensor_list: list, versioned: bool = True) -> Optional[List[int]]:
+    """``rebinds_as_kept`` for slots the call site's code proves new tensors made like the input
+    (``memgather.patching.proof.slots_like_input``: ``torch.empty_like(tensor)`` and its kin, each
+    a new plain tensor of the input's dtype, shape, device, layout and strides, no grad, memory of
+    torch's CPU allocator), of an input found as when the plan was kept and contiguous (so are
+    the slots, then). What no code can prove is read: nothing but each slot holds its storage,
+    nothing but Python holds the slot (``compat.exclusive_cpu_slot``: no mode, hook or kernel kept
+    a view of it), and no slot twice. Returns the version counters, or None.
+    """
+    if len(tensor_list) < 2:
+        return None
+    before = []
+    for slot in tensor_list:
+        if not (type(slot) is torch.Tensor and compat.exclusive_cpu_slot(slot)):
             return None
         before.append(slot._version if versioned else -1)
     return before if len(set(map(id, tensor_list))) == len(tensor_list) else None

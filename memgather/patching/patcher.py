@@ -188,13 +188,21 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             (known, place), gatherer = _decide(frame, active), False
         if known[1]:
             site = known[3].at(place)
-            elide = known[2]
-            if elide is None:  # the call site's own code decides, proven once per site
+            elide, made_like = known[2], False
+            if gatherer:
+                # The site's code, proven once: whether it drops the list after one cat (where the
+                # code decides elision), and whether it makes the slots like the input, which spares
+                # a kept plan most of its reads of each slot (proof.slots_like_input).
+                found = sites.verdict(frame, True, site)
+                made_like = found.like_input
+                if elide is None:
+                    elide = sites.dropped(found, args[0] if args else kwargs.get("tensor_list"))
+            elif elide is None:
                 elide = sites.elides(frame, args[0] if args else kwargs.get("tensor_list"), gatherer, site)
             call = bind(args, kwargs, active.check, elide, active.verify)
             if call is None:  # arguments torch's signature does not take: torch's own TypeError
                 return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
-            return core.handle(call, site)
+            return core.handle(call, site, made_like)
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)

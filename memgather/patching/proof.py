@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 from memgather.patching import flow
 
@@ -70,6 +70,9 @@ FACTORIES = frozenset(
         "tensor",
     )
 )
+# Calls whose one argument makes a new tensor like it: its dtype, shape, device, layout and strides
+# (the input's memory format), no grad, memory of the device's allocator (slots_like_input).
+LIKE_FACTORIES = frozenset(("torch.empty_like", "torch.zeros_like", "torch.ones_like"))
 # Tensor methods that return a new tensor of its own: read by name, whatever the receiver
 # (the slots' type is checked when the call is planned: a plain tensor's methods are these).
 FRESH_METHODS = frozenset(("clone", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"))
@@ -100,10 +103,15 @@ _BEFORE, _AFTER = 0, 1
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether a call site drops the gathered list after one cat, and the reason (with line numbers)."""
+    """Whether a call site drops the gathered list after one cat, and the reason (with line numbers).
+
+    ``like_input``: whether the call's slots are proven to be new tensors made like its input
+    (``slots_like_input``), a proof of its own that a gatherer's verdict carries beside.
+    """
 
     proven: bool
     reason: str
+    like_input: bool = False
 
 
 def refuse(reason: str) -> Verdict:
@@ -118,6 +126,33 @@ def gather_list(call: ast.Call) -> Optional[ast.expr]:
     if call.args and not isinstance(call.args[0], ast.Starred):
         return call.args[0]
     return None
+
+
+def gather_tensor(call: ast.Call) -> Optional[ast.expr]:
+    """The input argument of an ``all_gather(tensor_list, tensor, ...)`` call, if written out."""
+    for keyword in call.keywords:
+        if keyword.arg == "tensor":
+            return keyword.value
+    if len(call.args) > 1 and not any(isinstance(a, ast.Starred) for a in call.args[:2]):
+        return call.args[1]
+    return None
+
+
+def slots_like_input(function: ast.AST, call: ast.Call, resolve: Resolve) -> Optional[str]:
+    """Why the slots of the gather ``call`` cannot be shown to be new tensors made like its input
+    ("" where they are).
+
+    They are where the list is written in the call itself, or bound by the statement just before
+    the call's, in the same block, to a list display or a comprehension (one ``for``, no ``if``)
+    each of whose elements is ``torch.empty_like(t)``, ``torch.zeros_like(t)`` or
+    ``torch.ones_like(t)``, nothing else in the call, of the very local ``t`` the call gathers.
+    Such slots have the input's dtype, shape, device, layout and strides, no grad, and memory of
+    torch's CPU allocator, neither pinned nor shared, and nothing but the list can have reached
+    them: no statement runs between their making and the gather (a mode entered then is still
+    active at the call, which a kept plan checks). A kept plan then reads of each slot only what
+    no code can prove: that nothing else holds it or its storage (``memgather.engine.kept``).
+    """
+    return _Proof(function, resolve).like_input(call)
 
 
 def gatherer(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:
@@ -173,6 +208,97 @@ class _Proof:
         if refusal:
             return refuse(refusal)
         return self._dropped_after(graph, [*at.succ, *at.exc], name, hand_over, at.line, done)
+
+    def like_input(self, call: ast.Call) -> str:
+        if not isinstance(self.function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return "not inside a function"
+        tensor = gather_tensor(call)
+        if not isinstance(tensor, ast.Name):
+            return f"line {call.lineno}: the gathered tensor is not a local name"
+        name = tensor.id
+        if not _bound_locally(self.function, name):
+            return f"line {call.lineno}: {name} is not a local of the function"
+        refusal = self._reached(name)
+        if refusal:
+            return refusal
+        listed = gather_list(call)
+        made: Union[ast.List, ast.ListComp]
+        if isinstance(listed, (ast.List, ast.ListComp)):
+            made = listed
+        elif isinstance(listed, ast.Name):
+            made_or_why = self._bound_just_before(call, listed)
+            if isinstance(made_or_why, str):
+                return made_or_why
+            made = made_or_why
+        else:
+            return f"line {call.lineno}: the gathered list is neither written in the call nor a local name"
+        if isinstance(made, ast.ListComp):
+            if len(made.generators) != 1 or made.generators[0].ifs or made.generators[0].is_async:
+                return f"line {made.lineno}: the list comprehension has more than one plain for"
+            if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(made.generators[0].target)):
+                return f"line {made.lineno}: the comprehension binds {name}"
+            elements = [made.elt]
+        else:
+            elements = list(made.elts)
+        if not elements or not all(self._made_like(element, name) for element in elements):
+            return f"line {made.lineno}: not every slot is torch.empty_like, zeros_like or ones_like of {name}"
+        return ""
+
+    def _made_like(self, element: ast.expr, name: str) -> bool:
+        return (
+            isinstance(element, ast.Call)
+            and not element.keywords
+            and len(element.args) == 1
+            and isinstance(element.args[0], ast.Name)
+            and element.args[0].id == name
+            and self.resolve(element.func) in LIKE_FACTORIES
+        )
+
+    def _reached(self, name: str) -> str:
+        """Ways for the local ``name`` to change other than by a binding of the function's own."""
+        for node in ast.walk(self.function):
+            if isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names:
+                return f"line {node.lineno}: {name} is declared global or nonlocal"
+            if isinstance(node, ast.NamedExpr) and node.target.id == name:
+                return f"line {node.lineno}: {name} is bound by :="
+            if node is not self.function and isinstance(node, _NESTED) and _mentions(node, name):
+                return f"line {node.lineno}: {name} is captured by a nested function or class"
+            if isinstance(node, ast.Call) and (_frame_reader(node) or self.resolve(node.func) in FRAME_READERS):
+                return f"line {node.lineno}: the function reads its own frame"
+            if isinstance(node, ast.Attribute) and node.attr in _FRAME_ATTRIBUTES:
+                return f"line {node.lineno}: the function reads frames (.{node.attr})"
+            if isinstance(node, ast.Name) and _mangled(node.id):
+                return f"line {node.lineno}: {node.id} is a private name (mangled inside a class): not followed"
+        return ""
+
+    def _bound_just_before(self, call: ast.Call, listed: ast.Name) -> Union[ast.List, ast.ListComp, str]:
+        """The list display or comprehension that the statement just before the gather's binds
+        ``listed`` to, in the same block; else why not."""
+        statement: Optional[ast.AST] = call
+        while statement is not None and not isinstance(statement, ast.stmt):
+            statement = self.parents.get(id(statement))
+        parent = self.parents.get(id(statement)) if statement is not None else None
+        block = None
+        for field in ("body", "orelse", "finalbody"):
+            items = getattr(parent, field, None)
+            if isinstance(items, list) and any(item is statement for item in items):
+                block = items
+        if block is None or statement is None:
+            return f"line {call.lineno}: the gather is not a statement of a block"
+        index = next(i for i, item in enumerate(block) if item is statement)
+        previous = block[index - 1] if index else None
+        if previous is None or _single_target(previous) != listed.id:
+            return f"line {call.lineno}: {listed.id} is not bound by the statement just before the gather"
+        value = previous.value  # an Assign or AnnAssign: _single_target said so
+        if not isinstance(value, (ast.List, ast.ListComp)):
+            return f"line {previous.lineno}: {listed.id} is not bound to a list display or comprehension"
+        refusal = self._reached(listed.id)
+        if refusal:
+            return refusal
+        uses = [n for n in ast.walk(statement) if isinstance(n, ast.Name) and n.id == listed.id]
+        if uses != [listed]:
+            return f"line {call.lineno}: {listed.id} is used again in the statement that gathers into it"
+        return value
 
     def argument_of(self, expression: ast.expr) -> Optional[ast.AST]:
         """The node holding ``expression``: for a keyword argument, the call (not the keyword)."""
@@ -392,6 +518,24 @@ def _single_target(statement: ast.AST) -> Optional[str]:
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 # Scopes of their own that run where they stand, any number of times (a generator expression later still).
 _REPEATED = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda)
+
+
+def _bound_locally(function: ast.AST, name: str) -> bool:
+    """Whether ``name`` is a parameter of ``function`` or bound in its own code (not only in a nested scope)."""
+    arguments = function.args  # type: ignore[attr-defined]  # a FunctionDef's: the caller checked
+    parameters = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+    parameters += [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
+    if any(parameter.arg == name for parameter in parameters):
+        return True
+    pending = list(ast.iter_child_nodes(function))
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (*_NESTED, *_REPEATED)):
+            continue
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return True
+        pending.extend(ast.iter_child_nodes(node))
+    return False
 
 
 def _mentions(scope: ast.AST, name: str) -> bool:

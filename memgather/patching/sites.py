@@ -26,6 +26,7 @@ import inspect
 import logging
 import sys
 import threading
+from dataclasses import replace
 from functools import lru_cache
 from types import CodeType, FrameType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -59,18 +60,21 @@ def elides(frame: Optional[FrameType], tensor_list: Any = None, gatherer: bool =
     itself, neither wrapt's nor memgather's nor a Function's forward (the patcher's walk found it so).
     ``site``: the ``memgather.engine.kept.Site`` of a gatherer's call, which holds the verdict for
     its next call (``verdict``)."""
-    if site is not None and gatherer and frame is not None:
-        held = site.elision
-        if held is not None and held[0] == frame.f_lasti and not held[1].proven:
-            return False  # the site's kept refusal, as verdict() would read it: most sites, on every call
-    return verdict(frame, gatherer, site).proven and _held_by_the_list_alone(tensor_list)
+    return dropped(verdict(frame, gatherer, site), tensor_list)
+
+
+def dropped(found: Verdict, tensor_list: Any) -> bool:
+    """``elides`` from the call site's verdict, already at hand."""
+    return found.proven and _held_by_the_list_alone(tensor_list)
 
 
 def verdict(frame: Optional[FrameType], gatherer: bool = False, site: Any = None) -> Verdict:
-    """The proof's verdict for the call site ``frame`` is at (proven once, then looked up).
+    """The proofs' verdict for the call site ``frame`` is at (proven once, then looked up): whether
+    it drops the list after one cat, and (of a gatherer) whether it makes the slots like the input.
 
     ``site``: where a gatherer's verdict is held for its next call, with the instruction it was
-    proven for (a site may serve more than one place: ``kept.Sites``), sparing the lookup by chain.
+    proven for (a site may serve more than one place: ``kept.Sites``), sparing the lookup by chain;
+    the names it rests on are checked once per call, and only where it proves anything.
     """
     if site is not None and gatherer and frame is not None:
         held = site.elision
@@ -83,9 +87,14 @@ def verdict(frame: Optional[FrameType], gatherer: bool = False, site: Any = None
 
 
 def _still_bound(found: Verdict, bindings: Bindings) -> bool:
-    """Whether a kept verdict still holds: a refusal always; a proof while every name it resolved
-    still names the same object."""
-    return not found.proven or all(space.get(name, _MISSING) is thing for space, name, thing in bindings)
+    """Whether a kept verdict still holds: a refusal always; a proof (either of them) while every
+    name it resolved still names the same object."""
+    if not (found.proven or found.like_input):
+        return True
+    for space, name, thing in bindings:  # (a loop, not all() of a generator: read on every call)
+        if space.get(name, _MISSING) is not thing:
+            return False
+    return True
 
 
 def _verdict(frame: Optional[FrameType], gatherer: bool) -> Tuple[Verdict, Bindings]:
@@ -161,7 +170,8 @@ def _prove(chain: List[FrameType]) -> Tuple[Verdict, FrameType, Bindings]:
     except Exception as error:  # noqa: BLE001 - reading a caller's code must never break its gather
         _log.debug("memgather: the elision proof failed", exc_info=True)
         found, where = proof.refuse(f"the proof failed: {type(error).__name__}: {error}"), chain[0]
-    return found, where, tuple(bindings)
+    # Each name once, however often the proofs resolved it: the bindings are checked per call.
+    return found, where, tuple({(id(space), name): (space, name, thing) for space, name, thing in bindings}.values())
 
 
 def _prove_chain(chain: List[FrameType], bindings: List[Tuple[Any, str, Any]]) -> Tuple[Verdict, FrameType]:
@@ -169,7 +179,12 @@ def _prove_chain(chain: List[FrameType], bindings: List[Tuple[Any, str, Any]]) -
     if len(chain) == 1:
         if under(module_of(gathering), ("torch",)):
             return proof.refuse(f"gathered by torch's own {module_of(gathering)}"), gathering
-        return _at(gathering, proof.gatherer, _is_list_gather, bindings), gathering
+        found = _at(gathering, proof.gatherer, _is_list_gather, bindings)
+        made = _call_of(gathering, _is_list_gather, bindings)
+        unlike = made if isinstance(made, str) else proof.slots_like_input(*made)
+        if unlike:
+            _log.debug("memgather: the slots at %s are read per call: %s", _where(gathering), unlike)
+        return replace(found, like_input=not unlike), gathering
     held = _at(gathering, proof.forward, _is_list_gather, bindings)
     if not held.proven:
         return proof.refuse(f"the Function's forward: {held.reason}"), gathering

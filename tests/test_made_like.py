@@ -1,0 +1,322 @@
+"""The kept plan's proof that a call's slots are new tensors made like its input (``proof.slots_like_input``).
+
+Where a call site's code makes the list it gathers into, in the call or in the statement
+just before, of ``torch.empty_like(t)`` / ``zeros_like`` / ``ones_like`` of the very input
+``t``, a kept plan reads of each slot only who holds it (``strategies.made_like_as_kept``).
+The proof is read statically here, one accepted and one refused form per rule; then on
+torch's fake backend, the kept plan's path is watched (which check ran) and the slots'
+version counters compared with torch's; then on 2 gloo ranks, every call of each site must
+observe exactly what torch gives it.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from typing import Any, Optional
+
+import pytest
+
+from memgather import compat
+from memgather.patching import proof
+from tests.conftest import EAGER, run_on_fake, unwrap
+
+needs_rebind = pytest.mark.skipif(not compat.can_prove_exclusive(), reason="no storage use count: no plan is kept")
+
+
+def _resolve(expression: ast.expr) -> Optional[str]:
+    """``torch.x`` names torch's ``x``; ``dist.x`` torch.distributed's (as a live frame's globals would)."""
+    if isinstance(expression, ast.Attribute) and isinstance(expression.value, ast.Name):
+        module = {"torch": "torch", "dist": "torch.distributed"}.get(expression.value.id)
+        return f"{module}.{expression.attr}" if module else None
+    return None
+
+
+def _why_not(source: str) -> str:
+    """``proof.slots_like_input`` on the one all_gather call of the one function in ``source``."""
+    function = ast.parse(textwrap.dedent(source)).body[0]
+    calls = [n for n in ast.walk(function) if isinstance(n, ast.Call) and proof.last_name(n.func) == "all_gather"]
+    assert len(calls) == 1
+    return proof.slots_like_input(function, calls[0], _resolve)
+
+
+ACCEPTED = {
+    "display in the call": """
+        def f(t):
+            dist.all_gather([torch.empty_like(t), torch.empty_like(t)], t)
+    """,
+    "comprehension in the call": """
+        def f(t, n):
+            dist.all_gather([torch.zeros_like(t) for _ in range(n)], t)
+    """,
+    "bound just before (MoCo's)": """
+        def f(tensor):
+            tensors_gather = [torch.ones_like(tensor) for _ in range(dist.get_world_size())]
+            dist.all_gather(tensors_gather, tensor, async_op=False)
+            return torch.cat(tensors_gather, dim=0)
+    """,
+    "keywords, annotated": """
+        def f(t):
+            out: list = [torch.empty_like(t) for _ in range(2)]
+            work = dist.all_gather(tensor_list=out, tensor=t, async_op=True)
+            work.wait()
+            return out
+    """,
+    "a local bound in the function": """
+        def f(x):
+            t = x * 2
+            out = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(out, t)
+            return out
+    """,
+    "inside a loop's body": """
+        def f(ts):
+            for t in ts:
+                out = [torch.empty_like(t) for _ in range(2)]
+                dist.all_gather(out, t)
+    """,
+}
+
+REFUSED = {
+    "a statement between": ("""
+        def f(t):
+            out = [torch.empty_like(t) for _ in range(2)]
+            n = 1
+            dist.all_gather(out, t)
+    """, "not bound by the statement just before"),
+    "made in a with block, gathered after it": ("""
+        def f(t):
+            with torch.no_grad():
+                out = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(out, t)
+    """, "not bound by the statement just before"),
+    "a keyword to the factory": ("""
+        def f(t):
+            dist.all_gather([torch.empty_like(t, dtype=torch.float64) for _ in range(2)], t)
+    """, "not every slot"),
+    "another tensor": ("""
+        def f(t, u):
+            dist.all_gather([torch.empty_like(u) for _ in range(2)], t)
+    """, "not every slot"),
+    "another factory": ("""
+        def f(t):
+            dist.all_gather([torch.empty(t.shape) for _ in range(2)], t)
+    """, "not every slot"),
+    "a method": ("""
+        def f(t):
+            dist.all_gather([t.new_empty(t.shape) for _ in range(2)], t)
+    """, "not every slot"),
+    "the comprehension binds the name": ("""
+        def f(t, ts):
+            dist.all_gather([torch.empty_like(t) for t in ts], t)
+    """, "binds t"),
+    "a filtered comprehension": ("""
+        def f(t, n):
+            dist.all_gather([torch.empty_like(t) for i in range(n) if i], t)
+    """, "more than one plain for"),
+    "a global input": ("""
+        def f():
+            dist.all_gather([torch.empty_like(T) for _ in range(2)], T)
+    """, "not a local"),
+    "declared global": ("""
+        def f(x):
+            global t
+            t = x
+            dist.all_gather([torch.empty_like(t) for _ in range(2)], t)
+    """, "global"),
+    "bound by :=": ("""
+        def f(x):
+            dist.all_gather([torch.empty_like(t := x), torch.empty_like(t)], t)
+    """, ":="),
+    "captured by a closure": ("""
+        def f(t):
+            later = lambda: t
+            dist.all_gather([torch.empty_like(t) for _ in range(2)], t)
+            return later
+    """, "captured"),
+    "the function reads its frame": ("""
+        def f(t):
+            names = locals()
+            dist.all_gather([torch.empty_like(t) for _ in range(2)], t)
+    """, "reads its own frame"),
+    "the list read again in the gather's statement": ("""
+        def f(t):
+            out = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(out, out[0])
+    """, "not a local name"),
+    "the list twice in the gather's statement": ("""
+        def f(t):
+            out = [torch.empty_like(t) for _ in range(2)]
+            keep(out, dist.all_gather(out, t))
+    """, "used again in the statement"),
+    "a list from elsewhere": ("""
+        def f(t, out):
+            dist.all_gather(out, t)
+    """, "not bound by the statement just before"),
+    "an empty display": ("""
+        def f(t):
+            dist.all_gather([], t)
+    """, "not every slot"),
+    "not a list": ("""
+        def f(t):
+            dist.all_gather((torch.empty_like(t), torch.empty_like(t)), t)
+    """, "neither written in the call nor a local name"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_the_forms_that_make_slots_like_the_input_are_proven(name: str) -> None:
+    assert _why_not(ACCEPTED[name]) == "", name
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_every_other_form_is_refused_with_its_reason(name: str) -> None:
+    source, reason = REFUSED[name]
+    assert reason in _why_not(source), (name, _why_not(source))
+
+
+# On 2 gloo ranks: every call of every site observes exactly what torch gives it.
+
+_PROVEN = ("moco", "zeros_async", "requires_grad", "in_inference_mode")
+_TO_TORCH = ("permuted_input", "statement_between")  # slots not contiguous; a slot's view kept
+
+
+@needs_rebind
+def test_every_call_of_each_site_observes_what_torch_gives(pools: Any) -> None:
+    from tests.sites import made_like
+
+    calls = 4
+    results = unwrap(pools(2, **EAGER).run(made_like.compare, calls))
+    for rank, result in enumerate(results):
+        for name, run in result.items():
+            assert run["memgather"] == run["torch"], (rank, name, run)
+            assert run["rewired"] == (0 if name in _TO_TORCH else calls), (rank, name, run)
+            # The first call is planned in full; the next ones take the kept plan, with the proof
+            # where the site makes its slots like a contiguous input.
+            assert run["made_like"] == (calls - 1 if name in _PROVEN else 0), (rank, name, run)
+
+
+# On the fake backend: which check a kept plan's call runs, and the version counters it leaves.
+
+_SPIES = """
+from dataclasses import replace
+from memgather.engine import strategies
+counts = {"made_like_as_kept": 0, "rebinds_as_kept": 0}
+def spy(name):
+    real = getattr(strategies, name)
+    def counting(*args, **kwargs):
+        counts[name] += 1
+        return real(*args, **kwargs)
+    return counting
+for name in list(counts):
+    setattr(strategies, name, spy(name))
+from memgather.engine import kept
+kept._CHECKS.update({k: strategies.rebinds_as_kept for k, v in kept._CHECKS.items() if v.__name__ == "rebinds_as_kept"})
+"""
+
+
+def _site_module(tmp_path: Any, source: str) -> str:
+    """A module file of ``source`` under ``tmp_path`` (the proof reads a call site's source file)."""
+    (tmp_path / "made_like_site.py").write_text(textwrap.dedent(source))
+    return str(tmp_path)
+
+
+@needs_rebind
+def test_a_proven_site_reads_only_who_holds_each_slot_and_leaves_torchs_versions(tmp_path: Any) -> None:
+    path = _site_module(tmp_path, """
+        import torch
+        import torch.distributed as dist
+
+        def inline(t):
+            dist.all_gather([torch.zeros_like(t), torch.zeros_like(t)], t)
+
+        def bound(t):
+            out = [torch.ones_like(t) for _ in range(2)]
+            dist.all_gather(out, t)
+            return [slot._version for slot in out]
+    """)
+    out = run_on_fake(_SPIES + textwrap.dedent(f"""
+        sys.path.insert(0, {path!r})
+        import made_like_site
+        t = torch.ones(256)
+        unpatched = [made_like_site.bound(t) for _ in range(3)]
+        memgather.patch(["made_like_site"])
+        core.configure(replace(core.settings(), nccl_min_bytes=0))
+        versions = [made_like_site.bound(t) for _ in range(4)]
+        for _ in range(4):
+            made_like_site.inline(t)
+        print(unpatched[0], versions, counts, dict(memgather.stats().by_strategy))
+    """))
+    assert out.split("\n")[0] == (
+        "[1, 1] [[1, 1], [1, 1], [1, 1], [1, 1]] {'made_like_as_kept': 6, 'rebinds_as_kept': 2} {'rebind': 8}"
+    ), out
+
+
+@needs_rebind
+def test_a_factory_rebound_since_the_proof_sends_the_slots_to_the_full_check(tmp_path: Any) -> None:
+    """The proof rests on ``torch.zeros_like`` being torch's: rebound to a function that keeps a view
+    of what it makes, the slots are read in full again, and the view's slot is not rebound."""
+    path = _site_module(tmp_path, """
+        import torch
+        import torch.distributed as dist
+
+        def bound(t):
+            out = [torch.zeros_like(t) for _ in range(2)]
+            dist.all_gather(out, t)
+    """)
+    out = run_on_fake(_SPIES + textwrap.dedent(f"""
+        sys.path.insert(0, {path!r})
+        import made_like_site
+        t = torch.ones(256)
+        memgather.patch(["made_like_site"])
+        core.configure(replace(core.settings(), nccl_min_bytes=0))
+        for _ in range(3):
+            made_like_site.bound(t)
+        print(counts, dict(memgather.stats().by_strategy))
+        views, real = [], torch.zeros_like
+        def keeping(tensor):
+            made = real(tensor)
+            views.append(made[:1])
+            return made
+        torch.zeros_like = keeping
+        memgather.reset_stats()
+        for _ in range(3):
+            made_like_site.bound(t)
+        torch.zeros_like = real
+        print(counts, dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
+    """))
+    first, second = out.split("\n")[:2]
+    assert first == "{'made_like_as_kept': 2, 'rebinds_as_kept': 1} {'rebind': 3}", out
+    # Proven no more: the kept plan's next call reads its slots in full, finds a view kept, and each
+    # call is planned in full and left to torch.
+    assert second == "{'made_like_as_kept': 2, 'rebinds_as_kept': 2} {'fallback': 3} {'slots_shared': 3}", out
+
+
+@needs_rebind
+def test_slots_that_share_a_version_counter_are_left_as_torch_leaves_them() -> None:
+    """Two slots that each hold a storage of their own alone, yet share one version counter (``x``
+    and ``x.detach()`` after ``set_``): torch's list call bumps that counter once per slot."""
+    out = run_on_fake(textwrap.dedent("""
+        from dataclasses import replace
+        def slots():
+            a = torch.zeros(4)
+            b = a.detach()
+            b.set_(torch.zeros(4))
+            return [a, b]
+        def run(calls):
+            seen = []
+            for _ in range(calls):
+                got = slots()
+                user["site"](got, torch.ones(4))
+                seen.append([slot._version for slot in got])
+            return seen
+        exec(compile('import torch, torch.distributed as dist\\n'
+                     'def site(slots, t):\\n'
+                     '    dist.all_gather(slots, t)\\n', '<user>', 'exec'), user)
+        print(run(4))
+        memgather.patch(["user_code"])
+        core.configure(replace(core.settings(), nccl_min_bytes=0))
+        print(run(4), dict(memgather.stats().by_strategy))
+    """))
+    torch_run, memgather_run = out.split("\n")[:2]
+    assert memgather_run == torch_run + " {'rebind': 4}", out
