@@ -22,12 +22,17 @@ from the site takes it where ``reuse`` finds them all unchanged:
   handed out by elision; ownership, storage use counts, memory kind, layout,
   dtype, shape, grad, contiguity, aliasing; ``strategies.direct_as_kept``: the
   same metadata, adjacency in one storage, and the input clear of the region).
+  Where the call site's code proves the slots new tensors made like the input
+  (``memgather.patching.proof.slots_like_input``, checked by the wrapper), a rebind
+  of a contiguous input reads of each slot only who holds it
+  (``strategies.made_like_as_kept``): its other facts are the input's.
 
-Anything else, and any fact found changed, gets the plan made in full, which
-is kept anew where it qualifies. CUDA calls are always planned in full: their
-slots' allocator facts are read there. A site is one place a call is made from
-(``Sites``); ``patch()`` and ``unpatch()`` drop every site (``patcher``), and so
-every kept plan.
+The slots' version counters are read in that pass, and handed on with the plan
+(``Taken``) to the writer, which sets them as torch's call leaves them. Anything
+else, and any fact found changed, gets the plan made in full, which is kept anew
+where it qualifies. CUDA calls are always planned in full: their slots' allocator
+facts are read there. A site is one place a call is made from (``Sites``);
+``patch()`` and ``unpatch()`` drop every site (``patcher``), and so every kept plan.
 """
 
 from __future__ import annotations
