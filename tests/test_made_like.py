@@ -177,7 +177,7 @@ def test_every_other_form_is_refused_with_its_reason(name: str) -> None:
 
 # On 2 gloo ranks: every call of every site observes exactly what torch gives it.
 
-_PROVEN = ("moco", "zeros_async", "requires_grad", "in_inference_mode")
+_PROVEN = ("moco", "zeros_async", "requires_grad", "in_inference_mode", "scalar", "pooled_channels_last")
 _TO_TORCH = ("permuted_input", "statement_between")  # slots not contiguous; a slot's view kept
 
 

@@ -91,7 +91,32 @@ def statement_between(tensor: torch.Tensor, calls: int) -> List[Any]:
     return seen
 
 
+def scalar(tensor: torch.Tensor, calls: int) -> List[Any]:
+    """A 0-d input (proven): the buffer is (world,), each slot a 0-d view of it."""
+    seen = []
+    for _ in range(calls):
+        t = tensor.sum()
+        out = [torch.empty_like(t), torch.empty_like(t)]
+        dist.all_gather(out, t, async_op=True).wait()
+        seen.append(_seen(out))
+    return seen
+
+
+def pooled_channels_last(tensor: torch.Tensor, calls: int) -> List[Any]:
+    """A contiguous (N, C, 1, 1) input in channels_last strides (a global pool's): proven, and each
+    slot keeps those strides, as empty_like gives them."""
+    seen = []
+    for _ in range(calls):
+        t = tensor.reshape(3, 4, 1, 1).contiguous(memory_format=torch.channels_last)
+        out = [torch.ones_like(t) for _ in range(2)]
+        dist.all_gather(out, t, async_op=True).wait()
+        seen.append(_seen(out))
+    return seen
+
+
 SITES: Dict[str, Callable[[torch.Tensor, int], List[Any]]] = {
+    "scalar": scalar,
+    "pooled_channels_last": pooled_channels_last,
     "moco": moco,
     "zeros_async": zeros_async,
     "requires_grad": requires_grad,
