@@ -6,7 +6,8 @@ On torch's no-op ``fake`` backend with legacy NCCL's route (as ``benchmarks/over
 gives it) and two fresh 4 KiB slots a call, each step of a rebind is timed on its
 own, the best of five rounds: binding the call, planning it (the preconditions, the
 route, the slot checks that prove a rebind safe), taking the plan a call site kept
-instead (``memgather.engine.kept``: its facts re-checked), the rebind's torch calls and the
+instead (``memgather.engine.kept``: its facts re-checked; where the call site's code proves the
+slots made like the input, only who holds each), the rebind's torch calls and the
 single-tensor call, and the bookkeeping (the statistics, the version counters set back
 as torch leaves them). The whole call, through the wrapper, closes the table; the steps
 add up to less than it (the calls between them, and timing each step apart warms its
@@ -66,6 +67,10 @@ def measure(calls: int) -> List[Tuple[str, float]]:
         ("bind the call", lambda: bind((fresh(), tensor), {}, False, False, False)),
         ("plan it (preconditions, route, slot checks)", lambda: planner.plan(call_of(fresh()))),
         ("take the call site's kept plan (facts re-checked)", lambda: kept.reuse(site, call_of(fresh()))),
+        (
+            "the same, the slots proven made like the input",
+            lambda: kept.reuse(site, call_of(fresh()), True),
+        ),
         (
             "rebind's torch calls + the single-tensor call",
             lambda: routes.run(route, slots.rebind(fresh()), tensor, None, False),
