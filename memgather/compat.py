@@ -485,6 +485,9 @@ def exclusive_cpu_slot(tensor: torch.Tensor) -> bool:
         _use_count(storage._cdata) == _SOLE_REBINDABLE[0]  # type: ignore[misc]  # present: can_prove_exclusive()
         and sys.getrefcount(storage) == _SOLE_REBINDABLE[1]
         and _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_exclusive()
+        # Cheap, and what a kernel registered over torch's factory could change: read anyway.
+        and storage.resizable()
+        and not storage.is_shared()
     )
 
 

@@ -26,6 +26,8 @@ needs_rebind = pytest.mark.skipif(not compat.can_prove_exclusive(), reason="no s
 
 def _resolve(expression: ast.expr) -> Optional[str]:
     """``torch.x`` names torch's ``x``; ``dist.x`` torch.distributed's (as a live frame's globals would)."""
+    if isinstance(expression, ast.Name) and expression.id == "range":
+        return "range"
     if isinstance(expression, ast.Attribute) and isinstance(expression.value, ast.Name):
         module = {"torch": "torch", "dist": "torch.distributed"}.get(expression.value.id)
         return f"{module}.{expression.attr}" if module else None
@@ -55,6 +57,16 @@ ACCEPTED = {
             dist.all_gather(tensors_gather, tensor, async_op=False)
             return torch.cat(tensors_gather, dim=0)
     """,
+    "the work waited for at once": """
+        def f(t):
+            out = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(out, t, async_op=True).wait()
+            return out
+    """,
+    "names and constants as the other arguments": """
+        def f(t, group):
+            dist.all_gather([torch.empty_like(t) for _ in range(2)], t, group, False)
+    """,
     "keywords, annotated": """
         def f(t):
             out: list = [torch.empty_like(t) for _ in range(2)]
@@ -78,89 +90,190 @@ ACCEPTED = {
 }
 
 REFUSED = {
-    "a statement between": ("""
+    "a gather in a while test (run again without the statement before it)": (
+        """
+        def f(t, later):
+            out = [torch.empty_like(t) for _ in range(2)]
+            while dist.all_gather(out, t) is None and later:
+                t = later.pop()
+    """,
+        "larger expression",
+    ),
+    "an argument that runs code after the slots are made": (
+        """
+        def f(t, hook):
+            out = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(out, t, async_op=hook(t))
+    """,
+        "neither a name nor a constant",
+    ),
+    "an attribute argument (a property may run code)": (
+        """
+        def f(self, t):
+            dist.all_gather([torch.empty_like(t) for _ in range(2)], t, group=self.group)
+    """,
+        "neither a name nor a constant",
+    ),
+    "a comprehension over something other than a range": (
+        """
+        def f(t, steps):
+            out = [torch.empty_like(t) for _ in steps]
+            dist.all_gather(out, t)
+    """,
+        "other than a range",
+    ),
+    "the gather inside a larger expression": (
+        """
+        def f(t, g):
+            out = [torch.empty_like(t) for _ in range(2)]
+            x = g(t) + dist.all_gather(out, t)
+    """,
+        "larger expression",
+    ),
+    "keywords unpacked": (
+        """
+        def f(t, options):
+            dist.all_gather([torch.empty_like(t) for _ in range(2)], t, **options)
+    """,
+        "unpacked",
+    ),
+    "a statement between": (
+        """
         def f(t):
             out = [torch.empty_like(t) for _ in range(2)]
             n = 1
             dist.all_gather(out, t)
-    """, "not bound by the statement just before"),
-    "made in a with block, gathered after it": ("""
+    """,
+        "not bound by the statement just before",
+    ),
+    "made in a with block, gathered after it": (
+        """
         def f(t):
             with torch.no_grad():
                 out = [torch.empty_like(t) for _ in range(2)]
             dist.all_gather(out, t)
-    """, "not bound by the statement just before"),
-    "a keyword to the factory": ("""
+    """,
+        "not bound by the statement just before",
+    ),
+    "a keyword to the factory": (
+        """
         def f(t):
             dist.all_gather([torch.empty_like(t, dtype=torch.float64) for _ in range(2)], t)
-    """, "not every slot"),
-    "another tensor": ("""
+    """,
+        "not every slot",
+    ),
+    "another tensor": (
+        """
         def f(t, u):
             dist.all_gather([torch.empty_like(u) for _ in range(2)], t)
-    """, "not every slot"),
-    "another factory": ("""
+    """,
+        "not every slot",
+    ),
+    "another factory": (
+        """
         def f(t):
             dist.all_gather([torch.empty(t.shape) for _ in range(2)], t)
-    """, "not every slot"),
-    "a method": ("""
+    """,
+        "not every slot",
+    ),
+    "a method": (
+        """
         def f(t):
             dist.all_gather([t.new_empty(t.shape) for _ in range(2)], t)
-    """, "not every slot"),
-    "the comprehension binds the name": ("""
+    """,
+        "not every slot",
+    ),
+    "the comprehension binds the name": (
+        """
         def f(t, ts):
             dist.all_gather([torch.empty_like(t) for t in ts], t)
-    """, "binds t"),
-    "a filtered comprehension": ("""
+    """,
+        "binds t",
+    ),
+    "a filtered comprehension": (
+        """
         def f(t, n):
             dist.all_gather([torch.empty_like(t) for i in range(n) if i], t)
-    """, "more than one plain for"),
-    "a global input": ("""
+    """,
+        "more than one plain for",
+    ),
+    "a global input": (
+        """
         def f():
             dist.all_gather([torch.empty_like(T) for _ in range(2)], T)
-    """, "not a local"),
-    "declared global": ("""
+    """,
+        "not a local",
+    ),
+    "declared global": (
+        """
         def f(x):
             global t
             t = x
             dist.all_gather([torch.empty_like(t) for _ in range(2)], t)
-    """, "global"),
-    "bound by :=": ("""
+    """,
+        "global",
+    ),
+    "bound by :=": (
+        """
         def f(x):
             dist.all_gather([torch.empty_like(t := x), torch.empty_like(t)], t)
-    """, ":="),
-    "captured by a closure": ("""
+    """,
+        ":=",
+    ),
+    "captured by a closure": (
+        """
         def f(t):
             later = lambda: t
             dist.all_gather([torch.empty_like(t) for _ in range(2)], t)
             return later
-    """, "captured"),
-    "the function reads its frame": ("""
+    """,
+        "captured",
+    ),
+    "the function reads its frame": (
+        """
         def f(t):
             names = locals()
             dist.all_gather([torch.empty_like(t) for _ in range(2)], t)
-    """, "reads its own frame"),
-    "the list read again in the gather's statement": ("""
+    """,
+        "reads its own frame",
+    ),
+    "the list read again in the gather's statement": (
+        """
         def f(t):
             out = [torch.empty_like(t) for _ in range(2)]
             dist.all_gather(out, out[0])
-    """, "not a local name"),
-    "the list twice in the gather's statement": ("""
+    """,
+        "not a local name",
+    ),
+    "the list twice in the gather's statement": (
+        """
         def f(t):
             out = [torch.empty_like(t) for _ in range(2)]
             keep(out, dist.all_gather(out, t))
-    """, "used again in the statement"),
-    "a list from elsewhere": ("""
+    """,
+        "used again in the statement",
+    ),
+    "a list from elsewhere": (
+        """
         def f(t, out):
             dist.all_gather(out, t)
-    """, "not bound by the statement just before"),
-    "an empty display": ("""
+    """,
+        "not bound by the statement just before",
+    ),
+    "an empty display": (
+        """
         def f(t):
             dist.all_gather([], t)
-    """, "not every slot"),
-    "not a list": ("""
+    """,
+        "not every slot",
+    ),
+    "not a list": (
+        """
         def f(t):
             dist.all_gather((torch.empty_like(t), torch.empty_like(t)), t)
-    """, "neither written in the call nor a local name"),
+    """,
+        "neither written in the call nor a local name",
+    ),
 }
 
 
@@ -223,7 +336,9 @@ def _site_module(tmp_path: Any, source: str) -> str:
 
 @needs_rebind
 def test_a_proven_site_reads_only_who_holds_each_slot_and_leaves_torchs_versions(tmp_path: Any) -> None:
-    path = _site_module(tmp_path, """
+    path = _site_module(
+        tmp_path,
+        """
         import torch
         import torch.distributed as dist
 
@@ -234,8 +349,11 @@ def test_a_proven_site_reads_only_who_holds_each_slot_and_leaves_torchs_versions
             out = [torch.ones_like(t) for _ in range(2)]
             dist.all_gather(out, t)
             return [slot._version for slot in out]
-    """)
-    out = run_on_fake(_SPIES + textwrap.dedent(f"""
+    """,
+    )
+    out = run_on_fake(
+        _SPIES
+        + textwrap.dedent(f"""
         sys.path.insert(0, {path!r})
         import made_like_site
         t = torch.ones(256)
@@ -246,7 +364,8 @@ def test_a_proven_site_reads_only_who_holds_each_slot_and_leaves_torchs_versions
         for _ in range(4):
             made_like_site.inline(t)
         print(unpatched[0], versions, counts, dict(memgather.stats().by_strategy))
-    """))
+    """)
+    )
     assert out.split("\n")[0] == (
         "[1, 1] [[1, 1], [1, 1], [1, 1], [1, 1]] {'made_like_as_kept': 6, 'rebinds_as_kept': 2} {'rebind': 8}"
     ), out
@@ -256,15 +375,20 @@ def test_a_proven_site_reads_only_who_holds_each_slot_and_leaves_torchs_versions
 def test_a_factory_rebound_since_the_proof_sends_the_slots_to_the_full_check(tmp_path: Any) -> None:
     """The proof rests on ``torch.zeros_like`` being torch's: rebound to a function that keeps a view
     of what it makes, the slots are read in full again, and the view's slot is not rebound."""
-    path = _site_module(tmp_path, """
+    path = _site_module(
+        tmp_path,
+        """
         import torch
         import torch.distributed as dist
 
         def bound(t):
             out = [torch.zeros_like(t) for _ in range(2)]
             dist.all_gather(out, t)
-    """)
-    out = run_on_fake(_SPIES + textwrap.dedent(f"""
+    """,
+    )
+    out = run_on_fake(
+        _SPIES
+        + textwrap.dedent(f"""
         sys.path.insert(0, {path!r})
         import made_like_site
         t = torch.ones(256)
@@ -284,7 +408,8 @@ def test_a_factory_rebound_since_the_proof_sends_the_slots_to_the_full_check(tmp
             made_like_site.bound(t)
         torch.zeros_like = real
         print(counts, dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
-    """))
+    """)
+    )
     first, second = out.split("\n")[:2]
     assert first == "{'made_like_as_kept': 2, 'rebinds_as_kept': 1} {'rebind': 3}", out
     # Proven no more: the kept plan's next call reads its slots in full, finds a view kept, and each
@@ -296,7 +421,8 @@ def test_a_factory_rebound_since_the_proof_sends_the_slots_to_the_full_check(tmp
 def test_slots_that_share_a_version_counter_are_left_as_torch_leaves_them() -> None:
     """Two slots that each hold a storage of their own alone, yet share one version counter (``x``
     and ``x.detach()`` after ``set_``): torch's list call bumps that counter once per slot."""
-    out = run_on_fake(textwrap.dedent("""
+    out = run_on_fake(
+        textwrap.dedent("""
         from dataclasses import replace
         def slots():
             a = torch.zeros(4)
@@ -317,6 +443,51 @@ def test_slots_that_share_a_version_counter_are_left_as_torch_leaves_them() -> N
         memgather.patch(["user_code"])
         core.configure(replace(core.settings(), nccl_min_bytes=0))
         print(run(4), dict(memgather.stats().by_strategy))
-    """))
+    """)
+    )
     torch_run, memgather_run = out.split("\n")[:2]
     assert memgather_run == torch_run + " {'rebind': 4}", out
+
+
+@needs_rebind
+def test_one_code_under_other_globals_or_a_shadowed_builtin_is_proven_anew(tmp_path: Any) -> None:
+    """A proof rests on the names it resolved in the globals it was made under: the same code run
+    under another globals dict (whose ``torch`` makes float64 slots), or a global that now hides a
+    builtin the proof resolved, is proven anew, and torch's error is what the caller gets."""
+    path = _site_module(tmp_path, """
+        import torch
+        import torch.distributed as dist
+
+        def gather(t):
+            out = [torch.zeros_like(t) for _ in range(2)]
+            dist.all_gather(out, t)
+            return out
+    """)
+    out = run_on_fake(textwrap.dedent(f"""
+        sys.path.insert(0, {path!r})
+        import types
+        from dataclasses import replace
+        import made_like_site
+        shim = types.ModuleType("torch_shim")
+        shim.__dict__.update(vars(torch))
+        shim.zeros_like = lambda t: torch.zeros(t.shape, dtype=torch.float64)
+        other = types.FunctionType(made_like_site.gather.__code__, dict(vars(made_like_site), torch=shim), "gather")
+        t = torch.ones(256)
+        def outcome(function):
+            try:
+                function(t)
+                return "ok"
+            except Exception as error:
+                return type(error).__name__
+        def run():
+            return [outcome(made_like_site.gather) for _ in range(3)] + [outcome(other)]
+        unpatched = run()
+        memgather.patch(["made_like_site"])
+        core.configure(replace(core.settings(), nccl_min_bytes=0))
+        print(unpatched, run())
+        made_like_site.range = lambda n: [0, 1]  # a global hides the builtin the comprehension steps through
+        print(outcome(made_like_site.gather), dict(memgather.stats().by_strategy))
+    """))
+    first, second = out.splitlines()[:2]
+    assert first == "['ok', 'ok', 'ok', 'ValueError'] ['ok', 'ok', 'ok', 'ValueError']", out
+    assert second.startswith("ok {'rebind': 4"), out

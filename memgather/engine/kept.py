@@ -99,7 +99,7 @@ class Site:
     """One call site's kept plan (None: none yet), and its cat-elision verdict.
 
     ``elision`` is ``memgather.patching.sites``' to hold: the verdict of the call site's code (with
-    the instruction offset it was proven for, and the bindings it rests on), so that a gatherer's
+    the instruction offset and globals it was proven for, and the bindings it rests on), so that a gatherer's
     next call reads it here rather than looking it up by its chain of frames.
     """
 
@@ -107,7 +107,7 @@ class Site:
 
     def __init__(self) -> None:
         self.kept: Optional[Kept] = None
-        self.elision: Optional[Tuple[int, Any, Any]] = None
+        self.elision: Optional[Tuple[int, Any, Any, Any]] = None
 
 
 # A code's call sites held at most: the calls of a code that gathers from more places than
@@ -181,7 +181,7 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
     if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
         return None  # the route reads the input as raw memory (legacy NCCL's): planned in full
     if made_like and kept.rebinds and tensor.is_contiguous():
-        before = strategies.made_like_as_kept(call.tensor_list, kept.versioned)
+        before = strategies.made_like_as_kept(call.tensor_list, tensor, kept.shape, kept.versioned)
         apart = True  # new tensors: a version counter each
     else:
         before = kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)

@@ -90,20 +90,30 @@ def rebinds_as_kept(
     return before if len(set(map(id, tensor_list))) == len(tensor_list) else None
 
 
-def made_like_as_kept(tensor_list: list, versioned: bool = True) -> Optional[List[int]]:
+def made_like_as_kept(
+    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, versioned: bool = True
+) -> Optional[List[int]]:
     """``rebinds_as_kept`` for slots the call site's code proves new tensors made like the input
     (``memgather.patching.proof.slots_like_input``: ``torch.empty_like(tensor)`` and its kin, each
     a new plain tensor of the input's dtype, shape, device, layout and strides, no grad, memory of
     torch's CPU allocator), of an input found as when the plan was kept and contiguous (so are
     the slots, then). What no code can prove is read: nothing but each slot holds its storage,
     nothing but Python holds the slot (``compat.exclusive_cpu_slot``: no mode, hook or kernel kept
-    a view of it), and no slot twice. Returns the version counters, or None.
+    a view of it), and no slot twice; and, being cheap, what a kernel registered over torch's
+    factory could change: the dtype, the shape and the memory's being private. Returns the
+    version counters, or None.
     """
     if len(tensor_list) < 2:
         return None
+    dtype = tensor.dtype
     before = []
     for slot in tensor_list:
-        if not (type(slot) is torch.Tensor and compat.exclusive_cpu_slot(slot)):
+        if not (
+            type(slot) is torch.Tensor
+            and slot.dtype is dtype
+            and slot.shape == shape
+            and compat.exclusive_cpu_slot(slot)
+        ):
             return None
         before.append(slot._version if versioned else -1)
     return before if len(set(map(id, tensor_list))) == len(tensor_list) else None

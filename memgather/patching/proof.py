@@ -232,16 +232,45 @@ class _Proof:
             made = made_or_why
         else:
             return f"line {call.lineno}: the gathered list is neither written in the call nor a local name"
+        # No code of anyone's may run between the slots' making and the gather: it could change
+        # the input in place (its dtype, its shape: ``t.data = ...``) after the slots were made
+        # like it. So the gather must be its statement's whole value, its other arguments names or
+        # constants, and a comprehension must step through a range.
+        refusal = self._nothing_runs_after(call, listed, tensor)
+        if refusal:
+            return refusal
         if isinstance(made, ast.ListComp):
             if len(made.generators) != 1 or made.generators[0].ifs or made.generators[0].is_async:
                 return f"line {made.lineno}: the list comprehension has more than one plain for"
-            if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(made.generators[0].target)):
-                return f"line {made.lineno}: the comprehension binds {name}"
+            generator = made.generators[0]
+            if not isinstance(generator.target, ast.Name) or generator.target.id == name:
+                return f"line {made.lineno}: the comprehension binds {name}, or something other than a name"
+            if not (isinstance(generator.iter, ast.Call) and self.resolve(generator.iter.func) == "range"):
+                return f"line {made.lineno}: the comprehension steps through something other than a range"
             elements = [made.elt]
         else:
             elements = list(made.elts)
         if not elements or not all(self._made_like(element, name) for element in elements):
             return f"line {made.lineno}: not every slot is torch.empty_like, zeros_like or ones_like of {name}"
+        return ""
+
+    def _nothing_runs_after(self, call: ast.Call, listed: Optional[ast.expr], tensor: ast.expr) -> str:
+        # What the call's value is used for runs after it (``dist.all_gather(...).wait()``).
+        node: ast.AST = call
+        statement = self.parents.get(id(node))
+        while (isinstance(statement, ast.Attribute) and statement.value is node) or (
+            isinstance(statement, ast.Call) and statement.func is node
+        ):
+            node, statement = statement, self.parents.get(id(statement))
+        whole = isinstance(statement, (ast.Expr, ast.Assign, ast.AnnAssign)) and statement.value is node
+        if not whole:
+            return f"line {call.lineno}: the gather is part of a larger expression"
+        others = [a for a in call.args if a is not listed and a is not tensor]
+        others += [k.value for k in call.keywords if k.value is not listed and k.value is not tensor]
+        if any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
+            return f"line {call.lineno}: the gather's arguments are unpacked"
+        if not all(isinstance(other, (ast.Name, ast.Constant)) for other in others):
+            return f"line {call.lineno}: an argument of the gather is neither a name nor a constant"
         return ""
 
     def _made_like(self, element: ast.expr, name: str) -> bool:

@@ -44,7 +44,7 @@ _OWN = ("wrapt", "memgather")
 _MAX_HAND_ON = 8  # frames that may hand a Function's value on, the receiver included: a bound on the walk
 _MAX_SITES = 4096
 
-Key = Tuple[Tuple[int, int], ...]
+Key = Tuple[Tuple[int, int, int], ...]  # (code, instruction, globals) of each frame
 # What a verdict rests on besides the code: (namespace, name, object) for each global, builtin or
 # module attribute the proof resolved. Checked again before a kept verdict that elides is used.
 Bindings = Tuple[Tuple[Any, str, Any], ...]
@@ -78,10 +78,16 @@ def verdict(frame: Optional[FrameType], gatherer: bool = False, site: Any = None
     """
     if site is not None and gatherer and frame is not None:
         held = site.elision
-        if held is not None and held[0] == frame.f_lasti and _still_bound(held[1], held[2]):
+        # (The globals too: one code object may run under two, each with names of its own.)
+        if (
+            held is not None
+            and held[0] == frame.f_lasti
+            and held[3] is frame.f_globals
+            and _still_bound(held[1], held[2])
+        ):
             return held[1]
         found, bindings = _verdict(frame, gatherer)
-        site.elision = (frame.f_lasti, found, bindings)
+        site.elision = (frame.f_lasti, found, bindings, frame.f_globals)
         return found
     return _verdict(frame, gatherer)[0]
 
@@ -103,7 +109,7 @@ def _verdict(frame: Optional[FrameType], gatherer: bool) -> Tuple[Verdict, Bindi
     if not chain:
         return proof.refuse("no calling frame"), ()
     # A gatherer's own frame alone, as at most call sites: its key without a generator, per call.
-    key: Key = ((id(chain[0].f_code), chain[0].f_lasti),) if len(chain) == 1 else _key(chain)
+    key: Key = ((id(chain[0].f_code), chain[0].f_lasti, id(chain[0].f_globals)),) if len(chain) == 1 else _key(chain)
     known = _verdicts.get(key)
     if known is not None and _same_codes(known[0], chain) and _still_bound(known[1], known[2]):
         return known[1], known[2]
@@ -117,7 +123,7 @@ def _verdict(frame: Optional[FrameType], gatherer: bool) -> Tuple[Verdict, Bindi
 
 
 def _key(chain: List[FrameType]) -> Key:
-    return tuple((id(f.f_code), f.f_lasti) for f in chain)
+    return tuple((id(f.f_code), f.f_lasti, id(f.f_globals)) for f in chain)
 
 
 def _same_codes(codes: Tuple[CodeType, ...], chain: List[FrameType]) -> bool:
@@ -303,7 +309,7 @@ def _known_objects() -> Dict[int, Tuple[Any, str]]:
             thing = getattr(functions, dotted.split(".", 1)[1], None)
             if thing is not None:
                 _known[id(thing)] = (thing, dotted)
-        for thing in (tuple, list):
+        for thing in (tuple, list, range):
             _known[id(thing)] = (thing, thing.__name__)
         for dotted in proof.FRAME_READERS:
             module, _, name = dotted.rpartition(".")
@@ -347,12 +353,16 @@ class _Resolver:
             thing = space.get(attribute, _MISSING) if attribute else sys.modules.get(module, _MISSING)
             if attribute:
                 self.bindings.append((space, attribute, thing))
+            else:  # ``import torch`` in the function: the module the import finds, while it is that one
+                self.bindings.append((sys.modules, module, thing))
         elif expression.id in self.local:
             return None  # a local may be anything at the moment it is called
         else:
             space = self.namespace if expression.id in self.namespace else self.builtins
             thing = space.get(expression.id, _MISSING)
             self.bindings.append((space, expression.id, thing))
+            if space is not self.namespace:  # found in builtins: only while no global of the name hides it
+                self.bindings.append((self.namespace, expression.id, _MISSING))
         for part in reversed(parts):
             if isinstance(thing, ModuleType):
                 space = vars(thing)
