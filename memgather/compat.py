@@ -295,7 +295,8 @@ def _find_set_versions() -> Optional[Callable[[Sequence[torch.Tensor], Sequence[
 
 
 _set_versions = _find_set_versions()
-# Whether memgather may set a version counter (torch 2.0 on): ``can_set_version()``, read per call.
+# Whether memgather may set a version counter (torch 2.0 on): what ``can_set_version()`` answers, read as a
+# constant where every rewired call asks.
 SETS_VERSIONS = _set_versions is not None
 
 
@@ -401,7 +402,7 @@ def await_release_of(tensor: torch.Tensor, before: Optional[Tuple[int, int]], ti
 
 def can_set_version() -> bool:
     """Whether this torch lets memgather set a version counter (torch 2.0 on)."""
-    return _set_versions is not None
+    return SETS_VERSIONS
 
 
 def set_version(tensor: torch.Tensor, version: int) -> None:
@@ -457,12 +458,17 @@ with torch.inference_mode(False), outside_modes():
     _SOLE_CPU_FACTS = _cpu_storage_facts(torch.empty(1))[1:] if _use_count is not None else (0, 0)
 
 
-def rebindable_cpu_slot(tensor: torch.Tensor) -> bool:
-    """``cpu_slot_facts(tensor) == (True, True)`` for a plain CPU tensor, read in one pass: a kept
-    plan asks it of every slot of every call (only where can_prove_exclusive()).
+def exclusive_cpu_slot(tensor: torch.Tensor) -> bool:
+    """Nothing but ``tensor`` holds its storage, nothing but Python holds ``tensor``, and its memory is
+    resizable and not shared: in one pass, the reads a kept plan makes of every slot of every call
+    (only where can_prove_exclusive()). With ``not tensor.is_pinned()`` it is what
+    ``cpu_slot_facts(tensor) == (True, True)`` says of a plain CPU tensor (``strategies.rebinds_as_kept``);
+    alone it serves slots whose memory the call site's code proved new memory of torch's CPU
+    allocator (``memgather.patching.proof.slots_like_input``), of which it still reads, being cheap,
+    what a kernel registered over torch's factory could change.
 
-    The cheap reads come first; the counts are calibrated through this very function, as
-    ``_SOLE_CPU_FACTS`` is through ``_cpu_storage_facts``, since the references it adds are its own.
+    The counts are calibrated through reads made as this function makes them
+    (``_rebindable_counts``), since the references they add are its own.
     """
     storage = tensor.untyped_storage()
     return (
@@ -471,28 +477,11 @@ def rebindable_cpu_slot(tensor: torch.Tensor) -> bool:
         and _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_exclusive()
         and storage.resizable()
         and not storage.is_shared()
-        and not tensor.is_pinned()
-    )
-
-
-def exclusive_cpu_slot(tensor: torch.Tensor) -> bool:
-    """``rebindable_cpu_slot``'s reads of who holds ``tensor``, without those of its memory kind:
-    nothing but ``tensor`` holds its storage, and nothing but Python holds ``tensor``. For slots
-    whose memory the call site's code proved to be new memory of torch's CPU allocator
-    (``memgather.patching.proof.slots_like_input``). Calibrated alike: the same references."""
-    storage = tensor.untyped_storage()
-    return (
-        _use_count(storage._cdata) == _SOLE_REBINDABLE[0]  # type: ignore[misc]  # present: can_prove_exclusive()
-        and sys.getrefcount(storage) == _SOLE_REBINDABLE[1]
-        and _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_exclusive()
-        # Cheap, and what a kernel registered over torch's factory could change: read anyway.
-        and storage.resizable()
-        and not storage.is_shared()
     )
 
 
 def _rebindable_counts(tensor: torch.Tensor) -> Tuple[int, int]:
-    # rebindable_cpu_slot's reads, with its references: its calibration.
+    # exclusive_cpu_slot's reads, with its references: its calibration.
     storage = tensor.untyped_storage()
     return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
 

@@ -62,7 +62,7 @@ def rebinds_as_kept(
     kept plan's key; ``versioned``: not inference tensors, which have no version counter) and no
     functorch wrapper. Each slot is then held to every other fact ``_check_slots`` and
     ``_rebind_refusal`` read: the input's dtype, the shape, no grad, contiguous, private memory held
-    by the slot alone (``rebindable_cpu_slot``), not the input itself, no slot twice, and the second
+    by the slot alone (``compat.exclusive_cpu_slot``, not pinned), not the input itself, no slot twice, and the second
     slot not starting where the first ends (storages emptied by ``resize_(0)`` all start at address
     0: ``_adjacent`` may find such slots adjacent, and choose() answers DIRECT). A None sends the
     call to the full plan, which names the precise reason.
@@ -80,7 +80,8 @@ def rebinds_as_kept(
             and not slot.requires_grad
             and keys_of(slot) == keys  # type: ignore[misc]  # present: kept plans need it
             and slot.is_contiguous()
-            and compat.rebindable_cpu_slot(slot)
+            and compat.exclusive_cpu_slot(slot)
+            and not slot.is_pinned()
         ):
             return None
         before.append(slot._version if versioned else -1)
