@@ -596,14 +596,23 @@ def _find_default_group() -> Callable[[], Any]:
 default_group: Callable[[], Any] = _find_default_group()
 
 
+def _find_coalesce_state() -> Callable[[], Any]:
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and "_pg_coalesce_state" in vars(world):
+        # The attribute behind the pg_coalesce_state property: read on every kept plan's call.
+        return lambda: dist.distributed_c10d._world._pg_coalesce_state
+    if world is not None and hasattr(world, "pg_coalesce_state"):
+        return lambda: dist.distributed_c10d._world.pg_coalesce_state
+    return lambda: None  # torch 1.13 keeps no such state in Python (its manager only brackets NCCL calls)
+
+
+# The groups inside ``torch.distributed._coalescing_manager`` now (a dict by group; None: not kept).
+coalesce_state: Callable[[], Any] = _find_coalesce_state()
+
+
 def is_coalescing(group: Any) -> bool:
     """True inside ``torch.distributed._coalescing_manager`` for ``group``."""
-    # torch 1.13 keeps no such state in Python (its manager only brackets NCCL calls). The
-    # attribute behind the property where there is one: asked on every kept plan's call.
-    world = getattr(dist.distributed_c10d, "_world", None)
-    state = getattr(world, "_pg_coalesce_state", None)
-    if state is None:
-        state = getattr(world, "pg_coalesce_state", None)
+    state = coalesce_state()
     if not state:
         return False
     return (group or dist.distributed_c10d._get_default_group()) in state

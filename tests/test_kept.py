@@ -442,6 +442,39 @@ def test_the_single_routes_wait_ends_at_once_for_a_buffer_nothing_else_holds() -
     del extra
 
 
+def test_the_single_route_waits_for_its_buffer_only_where_a_cat_is_armed_for_it() -> None:
+    """A rebind's buffer is waited for (``compat.hold``, then ``compat.await_release_of``) where an elided cat's proof will
+    read who holds it, and gather()'s result; a rebind with no cat armed returns at once. The cat is
+    elided all the same."""
+    out = run_on_fake(
+        _FULL_PLANS_COUNTED
+        + textwrap.dedent("""
+        from memgather import compat
+        waits = [0]
+        hold = compat.hold  # read right before the single call, where its buffer is then waited for
+        def counted_hold(tensor):
+            waits[0] += 1
+            return hold(tensor)  # (read a frame deeper: the wait after it ends at once)
+        compat.hold = counted_hold
+        for elide in (False, True):
+            memgather.patch(["user_code"], elide=elide)
+            core.configure(replace(core.settings(), nccl_min_bytes=0))
+            memgather.reset_stats()
+            waits[0] = 0
+            for _ in range(3):
+                slots = user["call"](16)
+                whole = torch.cat(slots)
+                del slots
+            stats = memgather.stats()
+            print(elide, waits[0], stats.rewired, stats.elided, tuple(whole.shape))
+        waits[0] = 0
+        memgather.gather(torch.ones(4))
+        print("gather", waits[0])
+    """)
+    )
+    assert out.split("\n")[:3] == ["False 0 3 0 (8,)", "True 3 3 3 (8,)", "gather 1"], out
+
+
 def test_a_kept_plan_keeps_no_group_alive() -> None:
     """A plan kept for calls on a subgroup holds the group weakly: dropped by the program, it is freed."""
     out = run_on_fake("""
@@ -487,7 +520,9 @@ planner._plan = counting
 def test_each_place_a_code_gathers_from_keeps_a_plan_of_its_own() -> None:
     """Two gathers of two shapes in one function, and one Function applied from two lines: each
     place plans its first call in full and its next calls take that plan, not the other place's."""
-    out = run_on_fake(_FULL_PLANS_COUNTED + textwrap.dedent("""
+    out = run_on_fake(
+        _FULL_PLANS_COUNTED
+        + textwrap.dedent("""
         exec(compile('class Gather(torch.autograd.Function):\\n'
                      '    @staticmethod\\n'
                      '    def forward(ctx, t):\\n'
@@ -507,13 +542,16 @@ def test_each_place_a_code_gathers_from_keeps_a_plan_of_its_own() -> None:
             for _ in range(5):
                 user[name](a, b)
             print(name, counted[0], dict(memgather.stats().by_strategy))
-    """))
+    """)
+    )
     assert out.split("\n")[:2] == ["two 2 {'rebind': 10}", "applied 2 {'rebind': 10}"], out
 
 
 def test_a_code_that_gathers_from_more_places_than_it_holds_sites_for_still_keeps_plans() -> None:
     """Past the sites a code holds, its places share one: calls that repeat one another take its plan."""
-    out = run_on_fake(_FULL_PLANS_COUNTED + textwrap.dedent("""
+    out = run_on_fake(
+        _FULL_PLANS_COUNTED
+        + textwrap.dedent("""
         places = kept._MAX_SITES + 6
         exec(compile('def many(t):\\n' + '    dist.all_gather([torch.empty_like(t), torch.empty_like(t)], t)\\n' * places,
                      '<user>', 'exec'), user)
@@ -523,7 +561,8 @@ def test_a_code_that_gathers_from_more_places_than_it_holds_sites_for_still_keep
             counted[0] = 0
             user["many"](t)
             print(counted[0])
-    """))
+    """)
+    )
     held, *rounds = (int(line) for line in out.split())
     assert rounds == [held + 1, 0, 0], out  # one full plan a site held and one for the rest, then none
 
@@ -531,7 +570,9 @@ def test_a_code_that_gathers_from_more_places_than_it_holds_sites_for_still_keep
 def test_a_plan_made_while_the_settings_changed_is_not_taken_under_the_new_ones() -> None:
     """A configure() while a call is planned (another thread's): the plan was made under the old
     settings, so the site's next call is planned in full, on a described group and on a new one."""
-    out = run_on_fake(_FULL_PLANS_COUNTED + textwrap.dedent("""
+    out = run_on_fake(
+        _FULL_PLANS_COUNTED
+        + textwrap.dedent("""
         def configure_once():
             after_plan[0] = None
             core.configure(replace(core.settings()))  # new settings, as another thread's configure()
@@ -541,8 +582,56 @@ def test_a_plan_made_while_the_settings_changed_is_not_taken_under_the_new_ones(
             for _ in range(3):
                 user["call"](per_rank)
             print(counted[0])
-    """))
+    """)
+    )
     assert out.split("\n")[:2] == ["2", "2"], out
+
+
+def test_a_kept_plan_is_not_taken_where_its_group_changed() -> None:
+    """Inside a coalescing block, on a subgroup torch's table no longer lists, and on a default group
+    made anew, a site's next call is planned in full (and torch's call, where the plan says so)."""
+    out = run_on_fake(
+        _FULL_PLANS_COUNTED
+        + textwrap.dedent("""
+        from torch.distributed.distributed_c10d import _coalescing_manager
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        exec(compile('def call_on(t, group=None):\\n'
+                     '    dist.all_gather([torch.empty_like(t), torch.empty_like(t)], t, group=group)\\n',
+                     '<user>', 'exec'), user)
+        t = torch.ones(4)
+        def step(label, **kwargs):
+            counted[0] = 0
+            user["call_on"](t, **kwargs)
+            print(label, counted[0])
+        step("first")
+        step("again")
+        with _coalescing_manager(device=torch.device("cpu")):
+            step("coalescing")
+        step("after")  # (the coalesced call's plan, torch's, replaced the kept one)
+        step("after again")
+        group = dist.new_group([0, 1])
+        step("subgroup", group=group)
+        step("subgroup again", group=group)
+        dist.destroy_process_group(group)
+        step("subgroup destroyed", group=group)
+        dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        step("default group made anew")
+        step("default group again")
+    """)
+    )
+    assert out.split("\n")[:10] == [
+        "first 1",
+        "again 0",
+        "coalescing 1",
+        "after 1",
+        "after again 0",
+        "subgroup 1",
+        "subgroup again 0",
+        "subgroup destroyed 1",
+        "default group made anew 1",
+        "default group again 0",
+    ], out
 
 
 _PIECES = ("in_place", "another_index", "fresh", "another_buffer", "strided", "inference", "grad", "numpy_part")

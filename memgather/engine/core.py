@@ -230,7 +230,7 @@ def _write_direct(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.
     if route.in_place:  # the slots themselves are the views an in-place route fills
         routes.fill(route, call.tensor_list, call.tensor, call.group)  # synchronous, as torch's with async_op=False
         return None, None
-    return routes.run(route, slots.region(call.tensor_list), call.tensor, call.group, call.async_op), None
+    return routes.run(route, slots.region(call.tensor_list), call.tensor, call.group, call.async_op, call.elide), None
 
 
 def _write_armed_direct(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
@@ -246,7 +246,7 @@ def _write_rebind(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.
     flat = slots.rebind(call.tensor_list)
     if call.elide:
         elision.arm(call.tensor_list, flat)
-    return routes.run(route, flat, call.tensor, call.group, call.async_op), flat
+    return routes.run(route, flat, call.tensor, call.group, call.async_op, call.elide), flat
 
 
 def _write_in_slots(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:

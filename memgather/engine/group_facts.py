@@ -47,6 +47,12 @@ _table: Dict[Tuple[int, str], GroupFacts] = {}
 _lock = threading.Lock()
 
 
+# The entry kept under a key of ``_table``, or None: a kept plan's check that its facts are still
+# what ``lookup`` gives (``memgather.engine.kept``), with nothing worked out. (``configure()`` empties
+# the table in place: this stays its method.)
+entry = _table.get
+
+
 def configure(settings: config.Settings) -> None:
     """Take the thresholds of ``settings`` and forget every entry worked out under the old ones."""
     global _thresholds

@@ -44,7 +44,7 @@ import torch
 from memgather import compat
 from memgather.engine import strategies
 from memgather.engine.call import Call
-from memgather.engine.group_facts import GroupFacts, lookup
+from memgather.engine.group_facts import GroupFacts, entry
 from memgather.engine.plan import Plan
 from memgather.engine.reasons import Strategy
 
@@ -67,6 +67,7 @@ class Kept(NamedTuple):
     plan: Plan
     slots_checked: SlotCheck  # what choose() must answer for the slots, read in one pass
     facts: GroupFacts  # the group's, as lookup() gave them (they hold the group weakly: a kept plan must not keep it)
+    at: Tuple[int, str]  # their key in lookup()'s table: (id of the group, "cpu")
     world: int
     rank: int
     shape: torch.Size
@@ -166,21 +167,32 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
         and len(call.tensor_list) == kept.world
     ):
         return None
-    # (Not compiling: the wrapper, the only caller with a site, asked on its way here.)
+    group = call.group
+    if group is None:
+        pg = compat.default_group()
+    elif compat.unregistered_group(group):
+        return None
+    else:
+        pg = group
+    facts = kept.facts
+    # (Not compiling: the wrapper, the only caller with a site, asked on its way here.) The group's
+    # facts are what lookup() would give: the same group, its entry not dropped by a configure().
+    # The keys are equal only where the input is on the CPU, as when the plan was kept: its entry's.
     if (
         compat.function_mode_active()
         or compat.dispatch_mode_active()
         or torch.is_inference_mode_enabled() is not kept.inference
-        or compat.dispatch_keys(tensor) != kept.keys  # type: ignore[misc]  # present: kept plans need it
-        or lookup(call.group, tensor, None) is not kept.facts
-        or (call.group is not None and compat.unregistered_group(call.group))
-        or compat.is_coalescing(call.group)
+        or not compat.dispatch_keys(tensor) == kept.keys  # type: ignore[misc]  # present: kept plans need it
+        or facts.group() is not pg
+        or entry(kept.at) is not facts
+        or compat.is_coalescing(group)
     ):
         return None
+    contiguous = tensor.is_contiguous()
     route = kept.plan.route
-    if route is not None and route.contiguous_input_only and not tensor.is_contiguous():
+    if not contiguous and route is not None and route.contiguous_input_only:
         return None  # the route reads the input as raw memory (legacy NCCL's): planned in full
-    if made_like and kept.rebinds and tensor.is_contiguous():
+    if made_like and contiguous and kept.rebinds:
         before = strategies.made_like_as_kept(call.tensor_list, tensor, kept.shape, kept.versioned)
         apart = True  # new tensors: a version counter each
     else:
@@ -218,6 +230,7 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
     ):
         site.kept = None
         return
+    at = (id(facts.group()), "cpu")  # (a CPU input: its entry)
     keys = compat.dispatch_keys(tensor)
     slot_keys = compat.dispatch_keys(tensor_list[0])
     versioned = not tensor_list[0].is_inference()
@@ -228,6 +241,7 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
         plan,
         checked,
         facts,
+        at,
         len(tensor_list),
         plan.info.rank,
         tensor.shape,

@@ -291,8 +291,17 @@ def settle(route: Route, setting: str, spans_hosts: bool, dtype: torch.dtype) ->
     return RING if ring and dtype in RING_DTYPES else BROADCAST
 
 
-def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
-    """Gather every rank's ``tensor`` into ``flat``; returns what torch would."""
+def run(
+    route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, async_op: bool, released: bool = True
+) -> Any:
+    """Gather every rank's ``tensor`` into ``flat``; returns what torch would.
+
+    ``released``: a synchronous single call returns only once the backend let go of ``flat``
+    (``compat.await_release_of``), where a later proof reads who holds it: an elided cat's, or
+    ``gather()``'s result. A rebind's buffer that no cat is armed for is never read so (the slots,
+    its views, are adjacent: the next call gathers straight into them), and a hold a backend's
+    worker keeps for a moment is as torch's hold of its own temporary: the wait is left out.
+    """
     if route.in_place:
         world = groups.describe(group).world
         return fill(route, slots.views(flat, world, tensor.shape), tensor, group)
@@ -301,11 +310,12 @@ def run(route: Route, flat: torch.Tensor, tensor: torch.Tensor, group: Any, asyn
     source = tensor.reshape(1) if tensor.dim() == 0 else tensor
     if route.every_rank and not source.is_contiguous():
         source = source.contiguous()  # no rank may fall back for it: NCCL reads raw memory
-    held = None if async_op else compat.hold(flat)
+    settle = released and not async_op
+    held = compat.hold(flat) if settle else None
     # Positional, and the defaults left out where they are the defaults: the wrapper torch puts
     # around its collectives takes measurably longer over keywords, on every rewired call.
     work = primitive(flat, source) if group is None and async_op is False else primitive(flat, source, group, async_op)
-    if not async_op:
+    if settle:
         compat.await_release_of(flat, held)
     return work
 
