@@ -168,7 +168,7 @@ def measure(calls: int = DEFAULT_CALLS, rounds: int = DEFAULT_ROUNDS) -> Dict[st
         ("below threshold", "*", False, lambda: user_code.call(tensor)),
         ("rewired (rebind)", "*", True, lambda: user_code.call(tensor)),
         (_FULL, "*", True, lambda: user_code.call(tensor)),
-        ("torch's calls of a rebind", _TORCH, True, lambda: _rebind_by_hand(tensor)),
+        ("torch's calls of a rebind", _TORCH, True, lambda: user_code.rebind_by_hand(tensor, single)),
         ("direct slots: torch", _TORCH, True, lambda: user_code.into(direct, tensor)),
         ("direct slots: rewired", "*", True, lambda: user_code.into(direct, tensor)),
         ("direct slots: single call alone", _TORCH, True, lambda: single(buffer, tensor)),
@@ -243,20 +243,6 @@ def _single_call() -> Callable[..., Any]:
     if function is None:
         raise RuntimeError("this torch has no single-tensor all-gather: nothing to time")
     return function
-
-
-def _rebind_by_hand(tensor: Any) -> None:
-    """What a rebind asks of torch for two fresh slots, and nothing else."""
-    import torch
-
-    slots = [torch.empty_like(tensor), torch.empty_like(tensor)]
-    for slot in slots:
-        slot.set_()  # type: ignore[call-overload]  # no source: releases the storage; torch's stubs lack it
-    flat = torch.empty((2 * tensor.shape[0],), dtype=tensor.dtype, device=tensor.device)
-    storage = flat.untyped_storage()
-    for index, slot in enumerate(slots):
-        slot.set_(storage, index * tensor.shape[0], tensor.shape, tensor.stride())
-    _single_call()(flat, tensor)
 
 
 @contextlib.contextmanager

@@ -73,7 +73,7 @@ def measure(calls: int) -> List[Tuple[str, float]]:
         ),
         (
             "rebind's torch calls + the single-tensor call",
-            lambda: routes.run(route, slots.rebind(fresh()), tensor, None, False),
+            lambda: routes.run(route, slots.rebind(fresh()), tensor, None, False, released=False),
         ),
         ("bookkeeping (statistics, version counters)", lambda: _bookkeeping(fresh(), plan)),
         ("the whole rewired call, through the wrapper", lambda: user_code.call(tensor)),

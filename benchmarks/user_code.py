@@ -22,6 +22,21 @@ def call(tensor: torch.Tensor) -> None:
     dist.all_gather([torch.empty_like(tensor), torch.empty_like(tensor)], tensor)
 
 
+def rebind_by_hand(tensor: torch.Tensor, single: Any) -> None:
+    """What a rebind asks of torch for the slots ``call`` makes, and nothing else: each slot's storage
+    released, one flat buffer, each slot pointed into it, the single-tensor call ``single``. Written
+    as lean as a hand-made rebind of CPU slots can be, so that the time memgather's rebind takes
+    beyond it is memgather's own."""
+    slots = [torch.empty_like(tensor), torch.empty_like(tensor)]
+    for slot in slots:
+        slot.set_()  # type: ignore[call-overload]  # no source: releases the storage; torch's stubs lack it
+    flat = torch.empty((2 * tensor.shape[0],), dtype=tensor.dtype)
+    storage = flat.untyped_storage()
+    for index, slot in enumerate(slots):
+        slot.set_(storage, index * tensor.shape[0], tensor.shape, tensor.stride())
+    single(flat, tensor)
+
+
 def like_input(tensor: torch.Tensor, world: int) -> None:
     """Fresh slots made like the input in the call, one per rank (the kept plan's proof reads them so:
     ``memgather.patching.proof.slots_like_input``)."""

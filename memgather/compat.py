@@ -458,30 +458,35 @@ with torch.inference_mode(False), outside_modes():
     _SOLE_CPU_FACTS = _cpu_storage_facts(torch.empty(1))[1:] if _use_count is not None else (0, 0)
 
 
-def exclusive_cpu_slot(tensor: torch.Tensor) -> bool:
-    """Nothing but ``tensor`` holds its storage, nothing but Python holds ``tensor``, and its memory is
-    resizable and not shared: in one pass, the reads a kept plan makes of every slot of every call
-    (only where can_prove_exclusive()). With ``not tensor.is_pinned()`` it is what
-    ``cpu_slot_facts(tensor) == (True, True)`` says of a plain CPU tensor (``strategies.rebinds_as_kept``);
-    alone it serves slots whose memory the call site's code proved new memory of torch's CPU
-    allocator (``memgather.patching.proof.slots_like_input``), of which it still reads, being cheap,
-    what a kernel registered over torch's factory could change.
+def exclusive_cpu_slots(tensors: Sequence[torch.Tensor], unpinned: bool = False) -> bool:
+    """Of each of ``tensors``: nothing but it holds its storage, nothing but Python holds it, and its
+    memory is resizable and not shared (with ``unpinned``, not pinned either): the reads a kept plan
+    makes of every slot of every call, in one loop (only where can_prove_exclusive(), and of plain
+    dense CPU tensors). With ``unpinned`` it is what ``cpu_slot_facts(tensor) == (True, True)`` says
+    of each (``strategies.rebinds_as_kept``); without, it serves slots whose memory the call site's
+    code proved new memory of torch's CPU allocator (``memgather.patching.proof.slots_like_input``),
+    of which it still reads, being cheap, what a kernel registered over torch's factory could change.
 
-    The counts are calibrated through reads made as this function makes them
-    (``_rebindable_counts``), since the references they add are its own.
+    The counts are calibrated through reads made as this loop makes them (``_rebindable_counts``:
+    the storage held by one local), since the references they add are its own.
     """
-    storage = tensor.untyped_storage()
-    return (
-        _use_count(storage._cdata) == _SOLE_REBINDABLE[0]  # type: ignore[misc]  # present: can_prove_exclusive()
-        and sys.getrefcount(storage) == _SOLE_REBINDABLE[1]
-        and _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_exclusive()
-        and storage.resizable()
-        and not storage.is_shared()
-    )
+    sole_use, sole_references = _SOLE_REBINDABLE
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if not (
+            _use_count(storage._cdata) == sole_use  # type: ignore[misc]  # present: can_prove_exclusive()
+            and sys.getrefcount(storage) == sole_references
+            and _tensor_use_count(tensor) == 1  # type: ignore[misc]  # present: can_prove_exclusive()
+            and storage.resizable()
+            and not storage.is_shared()
+            and not (unpinned and tensor.is_pinned())
+        ):
+            return False
+    return True
 
 
 def _rebindable_counts(tensor: torch.Tensor) -> Tuple[int, int]:
-    # exclusive_cpu_slot's reads, with its references: its calibration.
+    # exclusive_cpu_slots' reads, with its references: its calibration.
     storage = tensor.untyped_storage()
     return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]  # only called when present
 

@@ -422,7 +422,7 @@ def test_the_kept_check_passes_only_slots_choose_rebinds(kinds: List[str], input
 def test_the_kept_check_of_a_slots_memory_says_what_cpu_slot_facts_says(holder: str) -> None:
     slot = torch.zeros(8)
     kept: Any = {"none": None, "python": slot, "storage": slot.untyped_storage(), "view": slot[2:]}[holder]
-    rebindable = compat.exclusive_cpu_slot(slot) and not slot.is_pinned()  # as strategies.rebinds_as_kept reads it
+    rebindable = compat.exclusive_cpu_slots([slot], unpinned=True)  # as strategies.rebinds_as_kept reads it
     assert rebindable == (compat.cpu_slot_facts(slot) == (True, True))
     assert rebindable is (holder in ("none", "python"))
     del kept

@@ -17,7 +17,7 @@ from the site takes it where ``reuse`` finds them all unchanged:
   ``async_op``, the call's check / elide / verify, and inference mode;
 - what can change between two calls of one key: a torch-function or dispatch
   mode, compiling, a coalescing block, the group dropped from torch's table,
-  and every fact of every slot that the kept strategy rests on, read in one pass
+  and every fact of every slot that the kept strategy rests on, read in one call
   (``strategies.rebinds_as_kept``: a plain ``torch.Tensor``, so neither armed nor
   handed out by elision; ownership, storage use counts, memory kind, layout,
   dtype, shape, grad, contiguity, aliasing; ``strategies.direct_as_kept``: the
@@ -27,7 +27,7 @@ from the site takes it where ``reuse`` finds them all unchanged:
   of a contiguous input reads of each slot only who holds it
   (``strategies.made_like_as_kept``): its other facts are the input's.
 
-The slots' version counters are read in that pass, and handed on with the plan
+The slots' version counters are read in that call, and handed on with the plan
 (``Taken``) to the writer, which sets them as torch's call leaves them. Anything
 else, and any fact found changed, gets the plan made in full, which is kept anew
 where it qualifies. CUDA calls are always planned in full: their slots' allocator
@@ -49,7 +49,7 @@ from memgather.engine.plan import Plan
 from memgather.engine.reasons import Strategy
 
 # A per-call check of the slots (strategies): whether choose() answers the outcome a kept plan rests on,
-# given as the slots' version counters read on the way (None: it may not).
+# given as the slots' version counters, read with them (None: it may not).
 SlotCheck = Callable[[list, torch.Tensor, torch.Size, Any, int, bool], Optional[List[int]]]
 # The plans kept, by strategy, and the check each rests on: REBIND and IN_SLOTS (fresh slots on gloo's
 # broadcasts) on choose() answering REBIND, DIRECT on its answering DIRECT (slots that are views of one
@@ -65,7 +65,7 @@ class Kept(NamedTuple):
     """A plan made in full, and the facts it rests on that stay fixed from call to call."""
 
     plan: Plan
-    slots_checked: SlotCheck  # what choose() must answer for the slots, read in one pass
+    slots_checked: SlotCheck  # what choose() must answer for the slots, read in one call
     facts: GroupFacts  # the group's, as lookup() gave them (they hold the group weakly: a kept plan must not keep it)
     at: Tuple[int, str]  # their key in lookup()'s table: (id of the group, "cpu")
     world: int
@@ -185,7 +185,7 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
         or not compat.dispatch_keys(tensor) == kept.keys  # type: ignore[misc]  # present: kept plans need it
         or facts.group() is not pg
         or entry(kept.at) is not facts
-        or compat.is_coalescing(group)
+        or (compat.coalesce_state() and compat.is_coalescing(group))
     ):
         return None
     contiguous = tensor.is_contiguous()

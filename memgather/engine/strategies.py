@@ -52,9 +52,9 @@ def choose(tensor_list: Any, tensor: Any, world: int, rank: int) -> Outcome:
 def rebinds_as_kept(
     tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, rank: int = 0, versioned: bool = True
 ) -> Optional[List[int]]:
-    """Whether ``choose`` would answer REBIND for these CPU slots, read in one pass: a kept plan's
+    """Whether ``choose`` would answer REBIND for these CPU slots, in one call: a kept plan's
     per-call check (``memgather.engine.kept``), where the input was found as when it was kept.
-    Returns the slots' version counters, read on the way (``slots.versions``), or None.
+    Returns the slots' version counters (``slots.versions``), or None.
 
     ``rank`` is not needed (the signature is ``direct_as_kept``'s). ``keys`` are the dispatch keys of
     a slot that passed ``choose`` in full: the same keys mean the same device type, a strided
@@ -62,33 +62,35 @@ def rebinds_as_kept(
     kept plan's key; ``versioned``: not inference tensors, which have no version counter) and no
     functorch wrapper. Each slot is then held to every other fact ``_check_slots`` and
     ``_rebind_refusal`` read: the input's dtype, the shape, no grad, contiguous, private memory held
-    by the slot alone (``compat.exclusive_cpu_slot``, not pinned), not the input itself, no slot twice, and the second
-    slot not starting where the first ends (storages emptied by ``resize_(0)`` all start at address
-    0: ``_adjacent`` may find such slots adjacent, and choose() answers DIRECT). A None sends the
-    call to the full plan, which names the precise reason.
+    by the slot alone (``compat.exclusive_cpu_slots``, not pinned), not the input itself, no slot
+    twice, and the second slot not starting where the first ends (storages emptied by
+    ``resize_(0)`` all start at address 0: ``_adjacent`` may find such slots adjacent, and
+    choose() answers DIRECT). A None sends the call to the full plan, which names the precise
+    reason.
     """
     if len(tensor_list) < 2:
         return None  # one slot is a region of its own: choose() answers DIRECT for it
-    dtype = tensor.dtype
-    before = []
+    dtype, read_keys, plain = tensor.dtype, keys_of, torch.Tensor
     for slot in tensor_list:
         if not (
-            type(slot) is torch.Tensor
+            type(slot) is plain
             and slot is not tensor
             and slot.dtype is dtype
             and slot.shape == shape
             and not slot.requires_grad
-            and keys_of(slot) == keys  # type: ignore[misc]  # present: kept plans need it
+            and read_keys(slot) == keys  # type: ignore[misc]  # present: kept plans need it
             and slot.is_contiguous()
-            and compat.exclusive_cpu_slot(slot)
-            and not slot.is_pinned()
         ):
             return None
-        before.append(slot._version if versioned else -1)
+    # (Their memory read once every slot was found a plain dense CPU tensor: one with a storage.)
+    if not compat.exclusive_cpu_slots(tensor_list, unpinned=True):
+        return None
     first, second = tensor_list[0], tensor_list[1]
     if second.data_ptr() == first.data_ptr() + first.numel() * first.element_size():
         return None  # adjacent, perhaps: choose() tells whether DIRECT
-    return before if len(set(map(id, tensor_list))) == len(tensor_list) else None
+    if len(set(map(id, tensor_list))) != len(tensor_list):
+        return None
+    return [slot._version for slot in tensor_list] if versioned else [-1] * len(tensor_list)
 
 
 def made_like_as_kept(
@@ -99,25 +101,20 @@ def made_like_as_kept(
     a new plain tensor of the input's dtype, shape, device, layout and strides, no grad, memory of
     torch's CPU allocator), of an input found as when the plan was kept and contiguous (so are
     the slots, then). What no code can prove is read: nothing but each slot holds its storage,
-    nothing but Python holds the slot (``compat.exclusive_cpu_slot``: no mode, hook or kernel kept
+    nothing but Python holds the slot (``compat.exclusive_cpu_slots``: no mode, hook or kernel kept
     a view of it), and no slot twice; and, being cheap, what a kernel registered over torch's
     factory could change: the dtype, the shape and the memory's being private. Returns the
     version counters, or None.
     """
     if len(tensor_list) < 2:
         return None
-    dtype = tensor.dtype
-    before = []
+    dtype, plain = tensor.dtype, torch.Tensor
     for slot in tensor_list:
-        if not (
-            type(slot) is torch.Tensor
-            and slot.dtype is dtype
-            and slot.shape == shape
-            and compat.exclusive_cpu_slot(slot)
-        ):
+        if not (type(slot) is plain and slot.dtype is dtype and slot.shape == shape):
             return None
-        before.append(slot._version if versioned else -1)
-    return before if len(set(map(id, tensor_list))) == len(tensor_list) else None
+    if not compat.exclusive_cpu_slots(tensor_list) or len(set(map(id, tensor_list))) != len(tensor_list):
+        return None
+    return [slot._version for slot in tensor_list] if versioned else [-1] * len(tensor_list)
 
 
 def direct_as_kept(

@@ -79,15 +79,15 @@ def verdict(frame: Optional[FrameType], gatherer: bool = False, site: Any = None
     if site is not None and gatherer and frame is not None:
         held = site.elision
         # (The globals too: one code object may run under two, each with names of its own.)
-        if (
-            held is not None
-            and held[0] == frame.f_lasti
-            and held[3] is frame.f_globals
-            and _still_bound(held[1], held[2])
-        ):
-            return held[1]
+        if held is not None and held[0] == frame.f_lasti and held[3] is frame.f_globals:
+            # _still_bound, inline (on every call): a refusal is held with no bindings to check.
+            for space, name, thing in held[2]:
+                if space.get(name, _MISSING) is not thing:
+                    break
+            else:
+                return held[1]
         found, bindings = _verdict(frame, gatherer)
-        site.elision = (frame.f_lasti, found, bindings, frame.f_globals)
+        site.elision = (frame.f_lasti, found, bindings if (found.proven or found.like_input) else (), frame.f_globals)
         return found
     return _verdict(frame, gatherer)[0]
 
