@@ -588,31 +588,27 @@ def rank_not_in_group(group: Any) -> bool:
     return dist.distributed_c10d._rank_not_in_group(group)
 
 
-def _find_default_group() -> Callable[[], Any]:
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is not None and "_default_pg" in vars(world):
-        # torch 2.1 on: GroupMember.WORLD is a property of a metaclass that reads _world.default_pg,
-        # a property that reads this attribute; read on every kept plan's call.
-        return lambda: dist.distributed_c10d._world._default_pg
-    return lambda: dist.GroupMember.WORLD
+def default_group() -> Any:
+    """torch's default group, ``GroupMember.WORLD`` (None before init_process_group)."""
+    # torch 2.1 on: GroupMember.WORLD is a property of a metaclass that reads _world.default_pg, a
+    # property that reads this attribute; read on every kept plan's call. torch's threaded test
+    # groups put a world of another class there (ThreadLocalWorld: properties only), and torch
+    # before 2.1 keeps no such attribute: both are read through GroupMember.WORLD.
+    try:
+        return dist.distributed_c10d._world._default_pg
+    except AttributeError:
+        return dist.GroupMember.WORLD
 
 
-# torch's default group, ``GroupMember.WORLD`` (None before init_process_group).
-default_group: Callable[[], Any] = _find_default_group()
-
-
-def _find_coalesce_state() -> Callable[[], Any]:
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is not None and "_pg_coalesce_state" in vars(world):
-        # The attribute behind the pg_coalesce_state property: read on every kept plan's call.
-        return lambda: dist.distributed_c10d._world._pg_coalesce_state
-    if world is not None and hasattr(world, "pg_coalesce_state"):
-        return lambda: dist.distributed_c10d._world.pg_coalesce_state
-    return lambda: None  # torch 1.13 keeps no such state in Python (its manager only brackets NCCL calls)
-
-
-# The groups inside ``torch.distributed._coalescing_manager`` now (a dict by group; None: not kept).
-coalesce_state: Callable[[], Any] = _find_coalesce_state()
+def coalesce_state() -> Any:
+    """The groups inside ``torch.distributed._coalescing_manager`` now (a dict by group; None: not kept)."""
+    # The attribute behind the pg_coalesce_state property: read on every kept plan's call. Read
+    # through the property where the world has no such attribute (ThreadLocalWorld, as above); torch
+    # 1.13 keeps no such state in Python (its manager only brackets NCCL calls).
+    try:
+        return dist.distributed_c10d._world._pg_coalesce_state
+    except AttributeError:
+        return getattr(getattr(dist.distributed_c10d, "_world", None), "pg_coalesce_state", None)
 
 
 def is_coalescing(group: Any) -> bool:
@@ -672,6 +668,25 @@ def graph_capturing() -> bool:
 
 
 profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
+
+
+def _find_code_between_statements() -> Callable[[], bool]:
+    gettrace, getprofile = sys.gettrace, sys.getprofile
+    monitoring = getattr(sys, "monitoring", None)  # Python 3.12 on: tools called back on events
+    if monitoring is None:
+        return lambda: gettrace() is not None or getprofile() is not None
+    get_tool, tools = monitoring.get_tool, range(6)  # (sys.monitoring's tool ids are 0 to 5)
+
+    def traced() -> bool:
+        return gettrace() is not None or getprofile() is not None or any(get_tool(i) is not None for i in tools)
+
+    return traced
+
+
+# Whether this thread runs a trace or profile function, or (Python 3.12+) a sys.monitoring tool is
+# registered: then code of anyone's may run between any two of a function's statements, which a
+# proof made from the function's source cannot rule out (a debugger, coverage, a profiler).
+code_between_statements: Callable[[], bool] = _find_code_between_statements()
 
 
 def inference_mode_enabled() -> bool:

@@ -298,9 +298,10 @@ def run(
 
     ``released``: a synchronous single call returns only once the backend let go of ``flat``
     (``compat.await_release_of``), where a later proof reads who holds it: an elided cat's, or
-    ``gather()``'s result. A rebind's buffer that no cat is armed for is never read so (the slots,
-    its views, are adjacent: the next call gathers straight into them), and a hold a backend's
-    worker keeps for a moment is as torch's hold of its own temporary: the wait is left out.
+    the result of a small ``gather()`` (``planner.small_single``). A rebind's buffer that no cat
+    is armed for is never read so (the slots, its views, are adjacent: the next call gathers
+    straight into them), and a hold a backend's worker keeps for a moment is as torch's hold of
+    its own temporary: the wait is left out.
     """
     if route.in_place:
         world = groups.describe(group).world

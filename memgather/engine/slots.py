@@ -62,7 +62,7 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     # A contiguous slot has its shape's strides but on dims of size 1, where any stride is contiguous
     # (empty_like of a channels_last (N, C, 1, 1) keeps (C, 1, C, C)): each keeps its own, as under torch.
     own = [slot.stride() for slot in slots] if 1 in shape else None
-    if device.type == "cuda":  # before set_(): after it, the new storage would be recorded
+    if first.is_cuda:  # before set_(): after it, the new storage would be recorded
         cuda_memory.release_on_current_stream(slots)
     for slot in slots:
         slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here

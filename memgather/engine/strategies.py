@@ -99,22 +99,38 @@ def made_like_as_kept(
     """``rebinds_as_kept`` for slots the call site's code proves new tensors made like the input
     (``memgather.patching.proof.slots_like_input``: ``torch.empty_like(tensor)`` and its kin, each
     a new plain tensor of the input's dtype, shape, device, layout and strides, no grad, memory of
-    torch's CPU allocator), of an input found as when the plan was kept and contiguous (so are
-    the slots, then). What no code can prove is read: nothing but each slot holds its storage,
-    nothing but Python holds the slot (``compat.exclusive_cpu_slots``: no mode, hook or kernel kept
-    a view of it), and no slot twice; and, being cheap, what a kernel registered over torch's
-    factory could change: the dtype, the shape and the memory's being private. Returns the
-    version counters, or None.
+    torch's CPU allocator), of an input found as when the plan was kept and contiguous, where no
+    tracer runs (the wrapper asked: ``compat.code_between_statements``). What no code can prove is
+    read: nothing but each slot holds its storage, nothing but Python holds the slot
+    (``compat.exclusive_cpu_slots``: no mode, hook or kernel kept a view of it), and no slot
+    twice. So is, being cheap, what a kernel registered over torch's factory, or another thread
+    changing the input between the slots' making and the gather, could still make otherwise: a
+    plain CPU tensor of the dtype and shape, contiguous, no grad, not the input itself, its memory
+    resizable and not shared. A read that raises (a tensor with no storage or no version counter,
+    from such a kernel) sends the call to the full plan. Trusted to the factory: no conjugate or
+    negative bit, not an inference tensor outside inference mode, not pinned (a kernel making
+    those would break its contract). Returns the version counters, or None.
     """
     if len(tensor_list) < 2:
         return None
     dtype, plain = tensor.dtype, torch.Tensor
-    for slot in tensor_list:
-        if not (type(slot) is plain and slot.dtype is dtype and slot.shape == shape):
+    try:
+        for slot in tensor_list:
+            if not (
+                type(slot) is plain
+                and slot is not tensor
+                and slot.dtype is dtype
+                and slot.shape == shape
+                and slot.is_cpu
+                and not slot.requires_grad
+                and slot.is_contiguous()
+            ):
+                return None
+        if not compat.exclusive_cpu_slots(tensor_list) or len(set(map(id, tensor_list))) != len(tensor_list):
             return None
-    if not compat.exclusive_cpu_slots(tensor_list) or len(set(map(id, tensor_list))) != len(tensor_list):
+        return [slot._version for slot in tensor_list] if versioned else [-1] * len(tensor_list)
+    except RuntimeError:  # (no storage, no version counter: not what the factory makes)
         return None
-    return [slot._version for slot in tensor_list] if versioned else [-1] * len(tensor_list)
 
 
 def direct_as_kept(

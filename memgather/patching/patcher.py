@@ -194,7 +194,8 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
                 # code decides elision), and whether it makes the slots like the input, which spares
                 # a kept plan most of its reads of each slot (proof.slots_like_input).
                 found = sites.verdict(frame, True, site)
-                made_like = found.like_input
+                # (Where a tracer may run code between the slots' making and the gather: read in full.)
+                made_like = found.like_input and not compat.code_between_statements()
                 if elide is None:
                     elide = sites.dropped(found, args[0] if args else kwargs.get("tensor_list"))
             elif elide is None:

@@ -149,7 +149,8 @@ def slots_like_input(function: ast.AST, call: ast.Call, resolve: Resolve) -> Opt
     Such slots have the input's dtype, shape, device, layout and strides, no grad, and memory of
     torch's CPU allocator, neither pinned nor shared, and nothing but the list can have reached
     them: no statement runs between their making and the gather (a mode entered then is still
-    active at the call, which a kept plan checks). A kept plan then reads of each slot only what
+    active at the call, which a kept plan checks), nor the lookup of the callee, which must be
+    torch's all_gather through modules (``GATHERS``: an object's attribute could be a property). A kept plan then reads of each slot only what
     no code can prove: that nothing else holds it or its storage (``memgather.engine.kept``).
     """
     return _Proof(function, resolve).like_input(call)
@@ -221,6 +222,9 @@ class _Proof:
         refusal = self._reached(name)
         if refusal:
             return refusal
+        if self.resolve(call.func) not in GATHERS:
+            # Looking the callee up must run no code either (a property could change the input).
+            return f"line {call.lineno}: the gather is not torch.distributed.all_gather, looked up through modules"
         listed = gather_list(call)
         made: Union[ast.List, ast.ListComp]
         if isinstance(listed, (ast.List, ast.ListComp)):

@@ -311,6 +311,9 @@ def _known_objects() -> Dict[int, Tuple[Any, str]]:
                 _known[id(thing)] = (thing, dotted)
         for thing in (tuple, list, range):
             _known[id(thing)] = (thing, thing.__name__)
+        # torch's all_gather as it was before anything patched it (memgather's wrapper is read through).
+        gather = _original_all_gather()
+        _known[id(gather)] = (gather, "torch.distributed.all_gather")
         for dotted in proof.FRAME_READERS:
             module, _, name = dotted.rpartition(".")
             thing = getattr(sys.modules.get(module), name, None)
@@ -334,6 +337,8 @@ class _Resolver:
 
     def __call__(self, expression: ast.expr) -> Optional[str]:
         thing = self.object_of(expression)
+        if thing is not None and type(thing) is _memgather_wrapper():
+            thing = thing.__wrapped__  # what memgather's own wrapper stands for: the call is this one
         entry = self.known.get(id(thing)) if thing is not None else None
         return entry[1] if entry is not None and entry[0] is thing else None
 
@@ -364,7 +369,7 @@ class _Resolver:
             if space is not self.namespace:  # found in builtins: only while no global of the name hides it
                 self.bindings.append((self.namespace, expression.id, _MISSING))
         for part in reversed(parts):
-            if isinstance(thing, ModuleType):
+            if _plain_module_attribute(thing, part):
                 space = vars(thing)
                 thing = space.get(part, _MISSING)
                 self.bindings.append((space, part, thing))
@@ -373,6 +378,32 @@ class _Resolver:
             else:
                 return None  # an attribute of anything else may be computed: not followed
         return None if thing is _MISSING else thing
+
+
+def _plain_module_attribute(thing: Any, part: str) -> bool:
+    """Whether ``thing.part`` is what the module's dict holds, looked up with no code of anyone's: a
+    module whose class (a subclass of ModuleType, as lazy modules are) neither overrides attribute
+    lookup nor defines ``part`` itself (a property would run code)."""
+    if type(thing) is ModuleType:
+        return True
+    kind = type(thing)
+    return (
+        isinstance(thing, ModuleType)
+        and kind.__getattribute__ is ModuleType.__getattribute__
+        and inspect.getattr_static(kind, part, _MISSING) is _MISSING
+    )
+
+
+def _original_all_gather() -> Any:
+    from memgather.engine import core  # (the engine's: captured before anything could patch it)
+
+    return core.original_all_gather()
+
+
+def _memgather_wrapper() -> Any:
+    from memgather.patching.patcher import MemgatherWrapper  # (the patcher imports this module)
+
+    return MemgatherWrapper
 
 
 def _absolute_only(node: ast.ImportFrom) -> Optional[str]:

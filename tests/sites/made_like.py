@@ -8,6 +8,7 @@ slots: values, dtype, shape, strides, ``requires_grad`` and version counters.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -114,7 +115,70 @@ def pooled_channels_last(tensor: torch.Tensor, calls: int) -> List[Any]:
     return seen
 
 
+def traced_input_slot(tensor: torch.Tensor, calls: int) -> List[Any]:
+    """A trace function (a debugger's, coverage's) that, at the gather of the last call, puts the
+    input in as this rank's slot: code the proof cannot see. The site is proven; while a tracer runs
+    its slots are read in full, and the input found among them."""
+    seen: List[Any] = []
+    rank = dist.get_rank()
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_code is _traced_site.__code__ and len(seen) == calls - 1:
+            out = frame.f_locals.get("out")
+            if out is not None:
+                out[rank] = frame.f_locals["t"]  # the list object itself: the gather sees the change
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is _traced_site.__code__ else None)
+    try:
+        for _ in range(calls):
+            seen.append(_seen(_traced_site(tensor.clone())))
+    finally:
+        sys.settrace(previous)
+    return seen
+
+
+def _traced_site(t: torch.Tensor) -> List[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(out, t, async_op=True).wait()
+    return out
+
+
+class _Comm:
+    """A communication object whose ``all_gather`` is a property: looking it up runs code."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.last = 0
+        self.pending: List[Any] = []
+
+    @property
+    def all_gather(self) -> Any:
+        self.calls += 1
+        if self.calls == self.last and self.pending:
+            out, t = self.pending
+            out[dist.get_rank()] = t  # the input as this rank's slot, after the slots were made
+        return dist.all_gather
+
+
+def property_callee(tensor: torch.Tensor, calls: int) -> List[Any]:
+    """A gather whose callee is looked up through a property (not proven: the lookup could run code,
+    and does at the last call). The slots are read in full."""
+    comm, seen = _Comm(), []
+    comm.last = calls
+    for _ in range(calls):
+        t = tensor.clone()
+        out = [torch.empty_like(t) for _ in range(2)]
+        comm.pending = [out, t]
+        comm.all_gather(out, t, async_op=True).wait()
+        seen.append(_seen(out))
+    return seen
+
+
 SITES: Dict[str, Callable[[torch.Tensor, int], List[Any]]] = {
+    "traced_input_slot": traced_input_slot,
+    "property_callee": property_callee,
     "scalar": scalar,
     "pooled_channels_last": pooled_channels_last,
     "moco": moco,
