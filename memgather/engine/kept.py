@@ -87,7 +87,7 @@ class Taken(NamedTuple):
     """A kept plan taken for one call, with what its re-check read on the way."""
 
     plan: Plan
-    before: List[int]  # the slots' version counters (``slots.versions``)
+    versions: List[int]  # the slots' version counters, as read (``slots.versions``); where apart, as torch leaves them
     untracked: bool  # the input does not require grad: nothing memgather does can record autograd history
     apart: bool  # no two slots share a version counter (new tensors, proven so: made_like_as_kept)
 
@@ -193,14 +193,14 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
     if not contiguous and route is not None and route.contiguous_input_only:
         return None  # the route reads the input as raw memory (legacy NCCL's): planned in full
     if made_like and contiguous and kept.rebinds:
-        before = strategies.made_like_as_kept(call.tensor_list, tensor, kept.shape, kept.versioned)
-        apart = True  # new tensors: a version counter each
+        versions = strategies.made_like_as_kept(call.tensor_list, tensor, kept.shape, kept.versioned)
+        apart = True  # new tensors: a version counter each, given as torch's call leaves them
     else:
-        before = kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)
+        versions = kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)
         apart = False  # slots holding their storage alone may still share a counter (a detach()'s, set_() since)
-    if before is None:
+    if versions is None:
         return None
-    return _new(Taken, (kept.plan, before, not tensor.requires_grad, apart))
+    return _new(Taken, (kept.plan, versions, not tensor.requires_grad, apart))
 
 
 def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:

@@ -109,11 +109,15 @@ def made_like_as_kept(
     resizable and not shared. A read that raises (a tensor with no storage or no version counter,
     from such a kernel) sends the call to the full plan. Trusted to the factory: no conjugate or
     negative bit, not an inference tensor outside inference mode, not pinned (a kernel making
-    those would break its contract). Returns the version counters, or None.
+    those would break its contract). Returns the version counters as torch's call leaves them,
+    each one past the one read (-1: none, inference tensors), or None: new tensors share none
+    (``slots.mark_written`` sets them as they are).
     """
     if len(tensor_list) < 2:
         return None
     dtype, plain = tensor.dtype, torch.Tensor
+    after: List[int] = []
+    written = after.append
     try:
         for slot in tensor_list:
             if not (
@@ -126,11 +130,12 @@ def made_like_as_kept(
                 and slot.is_contiguous()
             ):
                 return None
+            written(slot._version + 1 if versioned else -1)
         if not compat.exclusive_cpu_slots(tensor_list) or len(set(map(id, tensor_list))) != len(tensor_list):
             return None
-        return [slot._version for slot in tensor_list] if versioned else [-1] * len(tensor_list)
     except RuntimeError:  # (no storage, no version counter: not what the factory makes)
         return None
+    return after
 
 
 def direct_as_kept(

@@ -150,8 +150,9 @@ def slots_like_input(function: ast.AST, call: ast.Call, resolve: Resolve) -> Opt
     torch's CPU allocator, neither pinned nor shared, and nothing but the list can have reached
     them: no statement runs between their making and the gather (a mode entered then is still
     active at the call, which a kept plan checks), nor the lookup of the callee, which must be
-    torch's all_gather through modules (``GATHERS``: an object's attribute could be a property). A kept plan then reads of each slot only what
-    no code can prove: that nothing else holds it or its storage (``memgather.engine.kept``).
+    torch's all_gather through modules (``GATHERS``: an object's attribute could be a property).
+    A kept plan then reads of each slot mostly what no code can prove: that nothing else holds
+    it or its storage (``memgather.engine.kept``).
     """
     return _Proof(function, resolve).like_input(call)
 
