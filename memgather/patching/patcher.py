@@ -27,15 +27,11 @@ from memgather.engine.call import bind
 from memgather.engine.reasons import Reason
 from memgather.patching import callers, scope, sites
 from memgather.patching import targets as registry
+from memgather.patching.wrapper import MemgatherWrapper
 
 _log = logging.getLogger("memgather")
 
 _MAX_DECISIONS = 4096  # code objects remembered; cleared past this (exec'd code, lambdas)
-
-
-class MemgatherWrapper(wrapt.FunctionWrapper):
-    """memgather's wrapper; its type is the "already patched" marker (torch's
-    own functions already carry ``__wrapped__``)."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import torch
 from memgather.frames import module_of, under
 from memgather.patching import callers, proof, sources
 from memgather.patching.proof import Verdict
+from memgather.patching.wrapper import MemgatherWrapper
 
 _log = logging.getLogger("memgather")
 
@@ -337,7 +338,7 @@ class _Resolver:
 
     def __call__(self, expression: ast.expr) -> Optional[str]:
         thing = self.object_of(expression)
-        if thing is not None and type(thing) is _memgather_wrapper():
+        if thing is not None and type(thing) is MemgatherWrapper:
             thing = thing.__wrapped__  # what memgather's own wrapper stands for: the call is this one
         entry = self.known.get(id(thing)) if thing is not None else None
         return entry[1] if entry is not None and entry[0] is thing else None
@@ -398,12 +399,6 @@ def _original_all_gather() -> Any:
     from memgather.engine import core  # (the engine's: captured before anything could patch it)
 
     return core.original_all_gather()
-
-
-def _memgather_wrapper() -> Any:
-    from memgather.patching.patcher import MemgatherWrapper  # (the patcher imports this module)
-
-    return MemgatherWrapper
 
 
 def _absolute_only(node: ast.ImportFrom) -> Optional[str]:
