@@ -10,6 +10,7 @@ is a fact measured on the released wheels, recorded here as data.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import sys
 import time
@@ -671,21 +672,27 @@ profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_en
 
 
 def _find_code_between_statements() -> Callable[[], bool]:
-    gettrace, getprofile = sys.gettrace, sys.getprofile
+    gettrace, getprofile, callbacks = sys.gettrace, sys.getprofile, gc.callbacks
     monitoring = getattr(sys, "monitoring", None)  # Python 3.12 on: tools called back on events
     if monitoring is None:
-        return lambda: gettrace() is not None or getprofile() is not None
+        return lambda: gettrace() is not None or getprofile() is not None or bool(callbacks)
     get_tool, tools = monitoring.get_tool, range(6)  # (sys.monitoring's tool ids are 0 to 5)
 
     def traced() -> bool:
-        return gettrace() is not None or getprofile() is not None or any(get_tool(i) is not None for i in tools)
+        return (
+            gettrace() is not None
+            or getprofile() is not None
+            or bool(callbacks)
+            or any(get_tool(i) is not None for i in tools)
+        )
 
     return traced
 
 
-# Whether this thread runs a trace or profile function, or (Python 3.12+) a sys.monitoring tool is
-# registered: then code of anyone's may run between any two of a function's statements, which a
-# proof made from the function's source cannot rule out (a debugger, coverage, a profiler).
+# Whether this thread runs a trace or profile function, a garbage collection callback is
+# registered, or (Python 3.12+) a sys.monitoring tool: then code of anyone's may run between any
+# two of a function's statements, which a proof made from the function's source cannot rule out
+# (a debugger, coverage, a profiler).
 code_between_statements: Callable[[], bool] = _find_code_between_statements()
 
 

@@ -427,7 +427,7 @@ def test_while_a_tracer_runs_a_proven_sites_slots_are_read_in_full(tmp_path: Any
 
 
 @needs_rebind
-@pytest.mark.parametrize("made", ["transposed", "requires_grad", "inference", "the_input"])
+@pytest.mark.parametrize("made", ["transposed", "requires_grad", "inference", "negative_bit", "the_input"])
 def test_a_kernel_registered_over_the_factory_cannot_make_a_proven_site_rebind_what_torch_would_not(
     tmp_path: Any, made: str
 ) -> None:
@@ -443,7 +443,7 @@ def test_a_kernel_registered_over_the_factory_cannot_make_a_proven_site_rebind_w
         def bound(t):
             out = [torch.empty_like(t) for _ in range(2)]
             dist.all_gather(out, t, async_op=True).wait()
-            return [(slot.stride(), slot.requires_grad, slot.is_inference()) for slot in out]
+            return [(slot.stride(), slot.requires_grad, slot.is_inference(), slot.is_neg()) for slot in out]
     """,
     )
     body = f"""
@@ -460,6 +460,10 @@ def test_a_kernel_registered_over_the_factory_cannot_make_a_proven_site_rebind_w
             if {made!r} == "inference":
                 with torch.inference_mode():
                     return torch.empty(t.shape, dtype=t.dtype)
+            if {made!r} == "negative_bit":  # a tensor of its own whose reads negate its bytes
+                made = torch.ones(t.shape, dtype=t.dtype)
+                torch._C._set_neg(made, True)
+                return made
             return t
         library = torch.library.Library("aten", "IMPL")
         library.impl("empty_like", empty_like, "CPU")
@@ -481,6 +485,69 @@ def test_a_kernel_registered_over_the_factory_cannot_make_a_proven_site_rebind_w
     """
     out = run_on_fake(_SPIES + textwrap.dedent(body))
     assert out.split("\n")[0].startswith("True 2 "), out
+
+
+@needs_rebind
+def test_a_callee_or_globals_that_could_run_code_on_the_lookup_are_not_proven(tmp_path: Any) -> None:
+    """The gather looked up through a class (whose metaclass could compute it), or run under globals
+    that are a dict subclass (whose lookups run its code), or with a garbage collection callback
+    registered (which runs between any two statements): the slots are read in full."""
+    path = _site_module(
+        tmp_path,
+        """
+        import torch
+        import torch.distributed as dist
+
+        class Comm:
+            all_gather = dist.all_gather
+
+        def through_class(t):
+            out = [torch.ones_like(t) for _ in range(2)]
+            Comm.all_gather(out, t)
+
+        def plain(t):
+            out = [torch.ones_like(t) for _ in range(2)]
+            dist.all_gather(out, t)
+    """,
+    )
+    out = run_on_fake(
+        _SPIES
+        + textwrap.dedent(f"""
+        import gc, types
+        sys.path.insert(0, {path!r})
+        import made_like_site
+        memgather.patch(["made_like_site"])
+        core.configure(replace(core.settings(), nccl_min_bytes=0))
+        made_like_site.Comm.all_gather = dist.all_gather  # the wrapper, installed after the import
+        class Globals(dict):
+            pass
+        under_subclass = types.FunctionType(made_like_site.plain.__code__, Globals(vars(made_like_site)))
+        t = torch.ones(256)
+        for name, site in (("class", made_like_site.through_class), ("globals", under_subclass)):
+            for name_ in list(counts):
+                counts[name_] = 0
+            for _ in range(3):
+                site(t)
+            print(name, counts)
+        gc.callbacks.append(lambda phase, info: None)
+        for name_ in list(counts):
+            counts[name_] = 0
+        for _ in range(3):
+            made_like_site.plain(t)
+        print("gc callback", counts)
+        gc.callbacks.clear()
+        for _ in range(2):
+            made_like_site.plain(t)
+        print("none", counts, dict(memgather.stats().by_strategy))
+    """)
+    )
+    lines = out.split("\n")[:4]
+    assert lines[:3] == [
+        "class {'made_like_as_kept': 0, 'rebinds_as_kept': 3}",
+        "globals {'made_like_as_kept': 0, 'rebinds_as_kept': 3}",
+        "gc callback {'made_like_as_kept': 0, 'rebinds_as_kept': 3}",
+    ], out
+    assert lines[3].startswith("none {'made_like_as_kept': 2, 'rebinds_as_kept': 3}"), out
 
 
 @needs_rebind

@@ -127,7 +127,7 @@ def handle(call: Call, site: Optional[kept.Site] = None, made_like: bool = False
     else:
         plan = taken.plan
         if not plan.agree and not compat.profiler_enabled():  # a loop's calls: straight to the writer
-            return _rewire(plan, call, taken.versions, taken.untracked, taken.apart)
+            return _rewire(plan, call, taken.versions, taken.untracked)
     if compat.profiler_enabled():
         # One range in a profile for each call memgather planned: its collectives, or
         # torch's call where it falls back, show inside it.
@@ -145,7 +145,7 @@ def _agree_and_execute(plan: Plan, call: Call, taken: Optional[kept.Taken]) -> A
         return to_torch(plan.reason, call.args, call.kwargs)
     if taken is None:
         return _rewire(plan, call, slots.versions(call.tensor_list))
-    return _rewire(plan, call, taken.versions, taken.untracked, taken.apart)
+    return _rewire(plan, call, taken.versions, taken.untracked)
 
 
 def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = None) -> torch.Tensor:
@@ -188,13 +188,11 @@ def to_torch(reason: Optional[Reason], args: Tuple[Any, ...], kwargs: Dict[str, 
     return _original_all_gather(*args, **kwargs)
 
 
-def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False, apart: bool = False) -> Any:
+def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False) -> Any:
     """Carry out a plan that rewires: its writer moves the bytes; the slots end as torch leaves them.
 
-    ``versions``: the slots' version counters, read before anything touched them; where ``apart``
-    (no two slots share one), already as torch's call leaves them (``slots.mark_written``).
-    ``untracked``: the input does not require grad, so none of memgather's operations can record
-    autograd history.
+    ``versions``: the slots' version counters, read before anything touched them. ``untracked``:
+    the input does not require grad, so none of memgather's operations can record autograd history.
     """
     route, tensor_list = plan.route, call.tensor_list
     assert route is not None and plan.gathered is not None  # a plan that rewires has both
@@ -210,7 +208,7 @@ def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False
             work, flat = writer(route, call)
         finally:
             torch._C._set_grad_enabled(True)
-    slots.mark_written(tensor_list, versions, apart)
+    slots.mark_written(tensor_list, versions)
     if call.verify:
         # Plain views of the buffer: the slots themselves may be armed for elision by the time they are read.
         written = tensor_list if flat is None else slots.views(flat, len(tensor_list), call.tensor.shape)

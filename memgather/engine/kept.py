@@ -87,9 +87,8 @@ class Taken(NamedTuple):
     """A kept plan taken for one call, with what its re-check read on the way."""
 
     plan: Plan
-    versions: List[int]  # the slots' version counters, as read (``slots.versions``); where apart, as torch leaves them
+    versions: List[int]  # the slots' version counters, as read (``slots.versions``)
     untracked: bool  # the input does not require grad: nothing memgather does can record autograd history
-    apart: bool  # no two slots share a version counter (new tensors, proven so: made_like_as_kept)
 
 
 # Builds a Taken without the NamedTuple's Python-level __new__ (call.py's Call is built so too).
@@ -193,14 +192,12 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
     if not contiguous and route is not None and route.contiguous_input_only:
         return None  # the route reads the input as raw memory (legacy NCCL's): planned in full
     if made_like and contiguous and kept.rebinds:
-        versions = strategies.made_like_as_kept(call.tensor_list, tensor, kept.shape, kept.versioned)
-        apart = True  # new tensors: a version counter each, given as torch's call leaves them
+        versions = strategies.made_like_as_kept(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.versioned)
     else:
         versions = kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)
-        apart = False  # slots holding their storage alone may still share a counter (a detach()'s, set_() since)
     if versions is None:
         return None
-    return _new(Taken, (kept.plan, versions, not tensor.requires_grad, apart))
+    return _new(Taken, (kept.plan, versions, not tensor.requires_grad))
 
 
 def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:

@@ -115,27 +115,19 @@ def versions(slots: List[torch.Tensor]) -> List[int]:
     return [-1 if slot.is_inference() else slot._version for slot in slots]
 
 
-def mark_written(slots: List[torch.Tensor], versions: List[int], apart: bool = False) -> None:
+def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
     """Leave the slots' version counters as the original all_gather does: one bump per slot.
 
     torch's list call copies into each slot in turn, so a counter that several
-    slots share (views of one tensor) moves once per slot. memgather's own
-    ``set_`` and copies bump the counters too; those are not writes torch would
-    make, so the counters are first set back to ``versions``, as read before, where
-    torch allows it, then bumped. ``apart``: no two slots share a counter (new
-    tensors), and ``versions`` already are the counters torch's call leaves: set
-    as they are, in one call.
+    slots share (views of one tensor, or a ``detach()`` set to a storage of its own)
+    moves once per slot. memgather's own ``set_`` and copies bump the counters too;
+    those are not writes torch would make, so the counters are first set back to
+    ``before`` where torch allows it.
     """
-    if -1 in versions:  # inference tensors among them: they have no counter to set or bump
-        counted = [(slot, version) for slot, version in zip(slots, versions) if version >= 0]
-        slots, versions = [slot for slot, _ in counted], [version for _, version in counted]
-    elif apart and compat.SETS_VERSIONS:
-        compat.set_versions(slots, versions)
-        return
-    elif apart:  # (a torch that cannot set them: bumped once each, from wherever memgather left them)
-        compat.increment_versions(slots)
-        return
-    compat.set_versions(slots, versions)  # (does nothing where torch cannot)
+    if -1 in before:  # inference tensors among them: they have no counter to set or bump
+        counted = [(slot, version) for slot, version in zip(slots, before) if version >= 0]
+        slots, before = [slot for slot, _ in counted], [version for _, version in counted]
+    compat.set_versions(slots, before)  # (does nothing where torch cannot)
     compat.increment_versions(slots)
 
 

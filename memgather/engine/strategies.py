@@ -94,30 +94,26 @@ def rebinds_as_kept(
 
 
 def made_like_as_kept(
-    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, versioned: bool = True
+    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, versioned: bool = True
 ) -> Optional[List[int]]:
     """``rebinds_as_kept`` for slots the call site's code proves new tensors made like the input
-    (``memgather.patching.proof.slots_like_input``: ``torch.empty_like(tensor)`` and its kin, each
-    a new plain tensor of the input's dtype, shape, device, layout and strides, no grad, memory of
-    torch's CPU allocator), of an input found as when the plan was kept and contiguous, where no
-    tracer runs (the wrapper asked: ``compat.code_between_statements``). What no code can prove is
-    read: nothing but each slot holds its storage, nothing but Python holds the slot
-    (``compat.exclusive_cpu_slots``: no mode, hook or kernel kept a view of it), and no slot
-    twice. So is, being cheap, what a kernel registered over torch's factory, or another thread
-    changing the input between the slots' making and the gather, could still make otherwise: a
-    plain CPU tensor of the dtype and shape, contiguous, no grad, not the input itself, its memory
-    resizable and not shared. A read that raises (a tensor with no storage or no version counter,
-    from such a kernel) sends the call to the full plan. Trusted to the factory: no conjugate or
-    negative bit, not an inference tensor outside inference mode, not pinned (a kernel making
-    those would break its contract). Returns the version counters as torch's call leaves them,
-    each one past the one read (-1: none, inference tensors), or None: new tensors share none
-    (``slots.mark_written`` sets them as they are).
+    (``memgather.patching.proof.slots_like_input``: ``torch.empty_like(tensor)`` and its kin), of an
+    input found as when the plan was kept and contiguous, where no tracer runs (the wrapper asked:
+    ``compat.code_between_statements``). Code may still run between the slots' making and this
+    check (a finalizer, a kernel registered over the factory, a thread changing the input), so
+    each slot is read for every fact a rebind rests on but two: a plain tensor of the dtype, shape
+    and dispatch keys (``keys``: device, layout, conjugate and negative bits, inference) of the
+    slot the plan was kept for, contiguous, no grad, not the input itself, its memory held by it
+    alone, resizable and not shared (``compat.exclusive_cpu_slots``), no slot twice. Taken from the
+    factory: that the memory is not pinned, and that no two slots start at address 0 (storages
+    emptied since, which ``choose`` could find adjacent). A read that raises sends the call to the
+    full plan. Returns the version counters as read, or None.
     """
     if len(tensor_list) < 2:
         return None
-    dtype, plain = tensor.dtype, torch.Tensor
-    after: List[int] = []
-    written = after.append
+    dtype, plain, read_keys = tensor.dtype, torch.Tensor, keys_of
+    versions: List[int] = []
+    read = versions.append
     try:
         for slot in tensor_list:
             if not (
@@ -125,17 +121,17 @@ def made_like_as_kept(
                 and slot is not tensor
                 and slot.dtype is dtype
                 and slot.shape == shape
-                and slot.is_cpu
                 and not slot.requires_grad
+                and read_keys(slot) == keys  # type: ignore[misc]  # present: kept plans need it
                 and slot.is_contiguous()
             ):
                 return None
-            written(slot._version + 1 if versioned else -1)
+            read(slot._version if versioned else -1)
         if not compat.exclusive_cpu_slots(tensor_list) or len(set(map(id, tensor_list))) != len(tensor_list):
             return None
     except RuntimeError:  # (no storage, no version counter: not what the factory makes)
         return None
-    return after
+    return versions
 
 
 def direct_as_kept(

@@ -333,19 +333,27 @@ class _Resolver:
         self.imported = proof.imported_only(function, _absolute_only)
         self.namespace = frame.f_globals
         self.builtins = frame.f_builtins
+        self.plain_dicts = type(self.namespace) is dict and type(self.builtins) is dict
+        self.through_class = False
         self.bindings = bindings
         self.known = _known_objects()
 
     def __call__(self, expression: ast.expr) -> Optional[str]:
         thing = self.object_of(expression)
         if thing is not None and type(thing) is MemgatherWrapper:
-            thing = thing.__wrapped__  # what memgather's own wrapper stands for: the call is this one
+            # What memgather's own wrapper stands for: the call is this one. Only where it was found
+            # through modules and plain dicts (a class's metaclass, or a dict subclass as globals,
+            # could run code on the lookup).
+            if not self.plain_dicts or self.through_class:
+                return None
+            thing = thing.__wrapped__
         entry = self.known.get(id(thing)) if thing is not None else None
         return entry[1] if entry is not None and entry[0] is thing else None
 
     def object_of(self, expression: ast.expr) -> Any:
         """What ``expression`` (a name and attributes of modules or classes) is bound to now, or None."""
         parts: List[str] = []
+        self.through_class = False  # (read by __call__: the lookup followed a class's attribute)
         while isinstance(expression, ast.Attribute):
             parts.append(expression.attr)
             expression = expression.value
@@ -376,6 +384,7 @@ class _Resolver:
                 self.bindings.append((space, part, thing))
             elif isinstance(thing, type):
                 thing = inspect.getattr_static(thing, part, _MISSING)  # no descriptor runs
+                self.through_class = True
             else:
                 return None  # an attribute of anything else may be computed: not followed
         return None if thing is _MISSING else thing
