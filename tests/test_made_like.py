@@ -2,7 +2,7 @@
 
 Where a call site's code makes the list it gathers into, in the call or in the statement
 just before, of ``torch.empty_like(t)`` / ``zeros_like`` / ``ones_like`` of the very input
-``t``, a kept plan reads of each slot only who holds it (``strategies.made_like_as_kept``).
+``t``, a kept plan spares two of its reads of each slot (``strategies.made_like_as_kept``).
 The proof is read statically here, one accepted and one refused form per rule; then on
 torch's fake backend, the kept plan's path is watched (which check ran) and the slots'
 version counters compared with torch's; then on 2 gloo ranks, every call of each site must
@@ -354,6 +354,19 @@ def _site_module(tmp_path: Any, source: str) -> str:
     return str(tmp_path)
 
 
+def _on_fake_with_site(path: str, body: str) -> str:
+    """``body`` run on the fake backend with the spies, the module ``made_like_site`` of ``path``
+    imported, and ``patched()`` to make it the target with every call rewired."""
+    prelude = f"""
+sys.path.insert(0, {path!r})
+import made_like_site
+def patched():
+    memgather.patch(["made_like_site"])
+    core.configure(replace(core.settings(), nccl_min_bytes=0))
+"""
+    return run_on_fake(_SPIES + prelude + textwrap.dedent(body))
+
+
 @needs_rebind
 def test_a_proven_site_reads_only_who_holds_each_slot_and_leaves_torchs_versions(tmp_path: Any) -> None:
     path = _site_module(
@@ -371,20 +384,17 @@ def test_a_proven_site_reads_only_who_holds_each_slot_and_leaves_torchs_versions
             return [slot._version for slot in out]
     """,
     )
-    out = run_on_fake(
-        _SPIES
-        + textwrap.dedent(f"""
-        sys.path.insert(0, {path!r})
-        import made_like_site
+    out = _on_fake_with_site(
+        path,
+        """
         t = torch.ones(256)
         unpatched = [made_like_site.bound(t) for _ in range(3)]
-        memgather.patch(["made_like_site"])
-        core.configure(replace(core.settings(), nccl_min_bytes=0))
+        patched()
         versions = [made_like_site.bound(t) for _ in range(4)]
         for _ in range(4):
             made_like_site.inline(t)
         print(unpatched[0], versions, counts, dict(memgather.stats().by_strategy))
-    """)
+    """,
     )
     assert out.split("\n")[0] == (
         "[1, 1] [[1, 1], [1, 1], [1, 1], [1, 1]] {'made_like_as_kept': 6, 'rebinds_as_kept': 2} {'rebind': 8}"
@@ -406,14 +416,11 @@ def test_while_a_tracer_runs_a_proven_sites_slots_are_read_in_full(tmp_path: Any
             dist.all_gather(out, t)
     """,
     )
-    out = run_on_fake(
-        _SPIES
-        + textwrap.dedent(f"""
-        sys.path.insert(0, {path!r})
-        import made_like_site
+    out = _on_fake_with_site(
+        path,
+        """
         t = torch.ones(256)
-        memgather.patch(["made_like_site"])
-        core.configure(replace(core.settings(), nccl_min_bytes=0))
+        patched()
         made_like_site.bound(t)  # planned in full
         for install in (sys.settrace, sys.setprofile):
             install(lambda frame, event, arg: None)
@@ -421,7 +428,7 @@ def test_while_a_tracer_runs_a_proven_sites_slots_are_read_in_full(tmp_path: Any
             install(None)
         made_like_site.bound(t)
         print(counts, dict(memgather.stats().by_strategy))
-    """)
+    """,
     )
     assert out.split("\n")[0] == "{'made_like_as_kept': 1, 'rebinds_as_kept': 3} {'rebind': 4}", out
 
@@ -565,14 +572,11 @@ def test_a_factory_rebound_since_the_proof_sends_the_slots_to_the_full_check(tmp
             dist.all_gather(out, t)
     """,
     )
-    out = run_on_fake(
-        _SPIES
-        + textwrap.dedent(f"""
-        sys.path.insert(0, {path!r})
-        import made_like_site
+    out = _on_fake_with_site(
+        path,
+        """
         t = torch.ones(256)
-        memgather.patch(["made_like_site"])
-        core.configure(replace(core.settings(), nccl_min_bytes=0))
+        patched()
         for _ in range(3):
             made_like_site.bound(t)
         print(counts, dict(memgather.stats().by_strategy))
@@ -587,7 +591,7 @@ def test_a_factory_rebound_since_the_proof_sends_the_slots_to_the_full_check(tmp
             made_like_site.bound(t)
         torch.zeros_like = real
         print(counts, dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks))
-    """)
+    """,
     )
     first, second = out.split("\n")[:2]
     assert first == "{'made_like_as_kept': 2, 'rebinds_as_kept': 1} {'rebind': 3}", out

@@ -24,8 +24,8 @@ from the site takes it where ``reuse`` finds them all unchanged:
   same metadata, adjacency in one storage, and the input clear of the region).
   Where the call site's code proves the slots new tensors made like the input
   (``memgather.patching.proof.slots_like_input``, checked by the wrapper), a rebind
-  of a contiguous input reads of each slot only who holds it
-  (``strategies.made_like_as_kept``): its other facts are the input's.
+  of a contiguous input spares the two reads only code the proof cannot see could make
+  wrong (``strategies.made_like_as_kept``).
 
 The slots' version counters are read in that call, and handed on with the plan
 (``Taken``) to the writer, which sets them as torch's call leaves them. Anything
@@ -148,7 +148,7 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
     ``call`` came through the wrapper (the only caller with a site), which found no compilation
     under way. ``made_like``: the site's code proves the slots new tensors made like the input
     (``memgather.patching.proof.slots_like_input``); for a rebind of a contiguous input, each
-    slot is then read only for who holds it (``strategies.made_like_as_kept``).
+    slot is then read for all but two facts (``strategies.made_like_as_kept``).
     """
     kept = site.kept
     if kept is None:

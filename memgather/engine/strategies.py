@@ -68,29 +68,7 @@ def rebinds_as_kept(
     choose() answers DIRECT). A None sends the call to the full plan, which names the precise
     reason.
     """
-    if len(tensor_list) < 2:
-        return None  # one slot is a region of its own: choose() answers DIRECT for it
-    dtype, read_keys, plain = tensor.dtype, keys_of, torch.Tensor
-    for slot in tensor_list:
-        if not (
-            type(slot) is plain
-            and slot is not tensor
-            and slot.dtype is dtype
-            and slot.shape == shape
-            and not slot.requires_grad
-            and read_keys(slot) == keys  # type: ignore[misc]  # present: kept plans need it
-            and slot.is_contiguous()
-        ):
-            return None
-    # (Their memory read once every slot was found a plain dense CPU tensor: one with a storage.)
-    if not compat.exclusive_cpu_slots(tensor_list, unpinned=True):
-        return None
-    first, second = tensor_list[0], tensor_list[1]
-    if second.data_ptr() == first.data_ptr() + first.numel() * first.element_size():
-        return None  # adjacent, perhaps: choose() tells whether DIRECT
-    if len(set(map(id, tensor_list))) != len(tensor_list):
-        return None
-    return [slot._version for slot in tensor_list] if versioned else [-1] * len(tensor_list)
+    return _rebinds_as_kept(tensor_list, tensor, shape, keys, versioned, False)
 
 
 def made_like_as_kept(
@@ -101,17 +79,18 @@ def made_like_as_kept(
     input found as when the plan was kept and contiguous, where no tracer runs (the wrapper asked:
     ``compat.code_between_statements``). Code may still run between the slots' making and this
     check (a finalizer, a kernel registered over the factory, a thread changing the input), so
-    each slot is read for every fact a rebind rests on but two: a plain tensor of the dtype, shape
-    and dispatch keys (``keys``: device, layout, conjugate and negative bits, inference) of the
-    slot the plan was kept for, contiguous, no grad, not the input itself, its memory held by it
-    alone, resizable and not shared (``compat.exclusive_cpu_slots``), no slot twice. Taken from the
-    factory: that the memory is not pinned, and that no two slots start at address 0 (storages
-    emptied since, which ``choose`` could find adjacent). A read that raises sends the call to the
-    full plan. Returns the version counters as read, or None.
+    each slot is read for every fact a rebind rests on but two, taken from the factory: that the
+    memory is not pinned, and that no two slots start at address 0 (storages emptied since).
     """
+    return _rebinds_as_kept(tensor_list, tensor, shape, keys, versioned, True)
+
+
+def _rebinds_as_kept(
+    tensor_list: list, tensor: torch.Tensor, shape: torch.Size, keys: Any, versioned: bool, made_like: bool
+) -> Optional[List[int]]:
     if len(tensor_list) < 2:
-        return None
-    dtype, plain, read_keys = tensor.dtype, torch.Tensor, keys_of
+        return None  # one slot is a region of its own: choose() answers DIRECT for it
+    dtype, read_keys, plain = tensor.dtype, keys_of, torch.Tensor
     versions: List[int] = []
     read = versions.append
     try:
@@ -127,11 +106,15 @@ def made_like_as_kept(
             ):
                 return None
             read(slot._version if versioned else -1)
-        if not compat.exclusive_cpu_slots(tensor_list) or len(set(map(id, tensor_list))) != len(tensor_list):
+        # (Their memory read once every slot was found a plain dense CPU tensor: one with a storage.)
+        if not compat.exclusive_cpu_slots(tensor_list, unpinned=not made_like):
             return None
-    except RuntimeError:  # (no storage, no version counter: not what the factory makes)
+        first, second = tensor_list[0], tensor_list[1]
+        if not made_like and second.data_ptr() == first.data_ptr() + first.numel() * first.element_size():
+            return None  # adjacent, perhaps: choose() tells whether DIRECT
+    except RuntimeError:  # (no storage, no version counter: slots made otherwise than the kept plan's)
         return None
-    return versions
+    return versions if len(set(map(id, tensor_list))) == len(tensor_list) else None
 
 
 def direct_as_kept(
