@@ -363,6 +363,8 @@ class _Resolver:
             # A local bound only by an import in the function (``from torch.distributed.nn.functional
             # import all_gather``): what that import bound, read from the imported module.
             module, attribute = self.imported[expression.id]
+            if attribute and not _plain_module_attribute(sys.modules.get(module), attribute):
+                return None  # the import's own lookup could run code (a module class's property)
             space = vars(sys.modules[module]) if module in sys.modules else {}
             thing = space.get(attribute, _MISSING) if attribute else sys.modules.get(module, _MISSING)
             if attribute:
