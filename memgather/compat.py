@@ -296,9 +296,6 @@ def _find_set_versions() -> Optional[Callable[[Sequence[torch.Tensor], Sequence[
 
 
 _set_versions = _find_set_versions()
-# Whether memgather may set a version counter (torch 2.0 on): what ``can_set_version()`` answers, read as a
-# constant where every rewired call asks.
-SETS_VERSIONS = _set_versions is not None
 
 
 def can_prove_alias_free() -> bool:
@@ -403,7 +400,7 @@ def await_release_of(tensor: torch.Tensor, before: Optional[Tuple[int, int]], ti
 
 def can_set_version() -> bool:
     """Whether this torch lets memgather set a version counter (torch 2.0 on)."""
-    return SETS_VERSIONS
+    return _set_versions is not None
 
 
 def set_version(tensor: torch.Tensor, version: int) -> None:
@@ -465,8 +462,8 @@ def exclusive_cpu_slots(tensors: Sequence[torch.Tensor], unpinned: bool = False)
     makes of every slot of every call, in one loop (only where can_prove_exclusive(), and of plain
     dense CPU tensors). With ``unpinned`` it is what ``cpu_slot_facts(tensor) == (True, True)`` says
     of each (``strategies.rebinds_as_kept``); without, it serves slots whose memory the call site's
-    code proved new memory of torch's CPU allocator (``memgather.patching.proof.slots_like_input``),
-    of which it still reads, being cheap, what a kernel registered over torch's factory could change.
+    code proved new memory of torch's CPU allocator (``strategies.made_like_as_kept``), which takes
+    its not being pinned from the factory.
 
     The counts are calibrated through reads made as this loop makes them (``_rebindable_counts``:
     the storage held by one local), since the references they add are its own.

@@ -67,7 +67,6 @@ class Kept(NamedTuple):
     plan: Plan
     slots_checked: SlotCheck  # what choose() must answer for the slots, read in one call
     facts: GroupFacts  # the group's, as lookup() gave them (they hold the group weakly: a kept plan must not keep it)
-    at: Tuple[int, str]  # their key in lookup()'s table: (id of the group, "cpu")
     world: int
     rank: int
     shape: torch.Size
@@ -183,8 +182,8 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
         or torch.is_inference_mode_enabled() is not kept.inference
         or not compat.dispatch_keys(tensor) == kept.keys  # type: ignore[misc]  # present: kept plans need it
         or facts.group() is not pg
-        or entry(kept.at) is not facts
-        or (compat.coalesce_state() and compat.is_coalescing(group))
+        or entry((id(pg), "cpu")) is not facts
+        or compat.is_coalescing(group)
     ):
         return None
     contiguous = tensor.is_contiguous()
@@ -227,7 +226,6 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
     ):
         site.kept = None
         return
-    at = (id(facts.group()), "cpu")  # (a CPU input: its entry)
     keys = compat.dispatch_keys(tensor)
     slot_keys = compat.dispatch_keys(tensor_list[0])
     versioned = not tensor_list[0].is_inference()
@@ -238,7 +236,6 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
         plan,
         checked,
         facts,
-        at,
         len(tensor_list),
         plan.info.rank,
         tensor.shape,

@@ -109,9 +109,10 @@ def _rebinds_as_kept(
         # (Their memory read once every slot was found a plain dense CPU tensor: one with a storage.)
         if not compat.exclusive_cpu_slots(tensor_list, unpinned=not made_like):
             return None
-        first, second = tensor_list[0], tensor_list[1]
-        if not made_like and second.data_ptr() == first.data_ptr() + first.numel() * first.element_size():
-            return None  # adjacent, perhaps: choose() tells whether DIRECT
+        if not made_like:
+            first, second = tensor_list[0], tensor_list[1]
+            if second.data_ptr() == first.data_ptr() + first.numel() * first.element_size():
+                return None  # adjacent, perhaps: choose() tells whether DIRECT
     except RuntimeError:  # (no storage, no version counter: slots made otherwise than the kept plan's)
         return None
     return versions if len(set(map(id, tensor_list))) == len(tensor_list) else None

@@ -188,7 +188,7 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             if gatherer:
                 # The site's code, proven once: whether it drops the list after one cat (where the
                 # code decides elision), and whether it makes the slots like the input, which spares
-                # a kept plan most of its reads of each slot (proof.slots_like_input).
+                # a kept plan two of its reads of each slot (proof.slots_like_input).
                 found = sites.verdict(frame, True, site)
                 # (Where a tracer may run code between the slots' making and the gather: read in full.)
                 made_like = found.like_input and not compat.code_between_statements()

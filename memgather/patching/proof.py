@@ -151,8 +151,8 @@ def slots_like_input(function: ast.AST, call: ast.Call, resolve: Resolve) -> Opt
     them: no statement runs between their making and the gather (a mode entered then is still
     active at the call, which a kept plan checks), nor the lookup of the callee, which must be
     torch's all_gather through modules (``GATHERS``: an object's attribute could be a property).
-    A kept plan then reads of each slot mostly what no code can prove: that nothing else holds
-    it or its storage (``memgather.engine.kept``).
+    A kept plan then spares two of its reads of each slot, those only code the proof cannot see
+    could make wrong: pinned memory, and storages emptied since (``memgather.engine.kept``).
     """
     return _Proof(function, resolve).like_input(call)
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from memgather.engine import core
 from memgather.frames import module_of, under
 from memgather.patching import callers, proof, sources
 from memgather.patching.proof import Verdict
@@ -80,15 +81,15 @@ def verdict(frame: Optional[FrameType], gatherer: bool = False, site: Any = None
     if site is not None and gatherer and frame is not None:
         held = site.elision
         # (The globals too: one code object may run under two, each with names of its own.)
-        if held is not None and held[0] == frame.f_lasti and held[3] is frame.f_globals:
-            # _still_bound, inline (on every call): a refusal is held with no bindings to check.
-            for space, name, thing in held[2]:
-                if space.get(name, _MISSING) is not thing:
-                    break
-            else:
-                return held[1]
+        if (
+            held is not None
+            and held[0] == frame.f_lasti
+            and held[3] is frame.f_globals
+            and _still_bound(held[1], held[2])
+        ):
+            return held[1]
         found, bindings = _verdict(frame, gatherer)
-        site.elision = (frame.f_lasti, found, bindings if (found.proven or found.like_input) else (), frame.f_globals)
+        site.elision = (frame.f_lasti, found, bindings, frame.f_globals)
         return found
     return _verdict(frame, gatherer)[0]
 
@@ -313,7 +314,7 @@ def _known_objects() -> Dict[int, Tuple[Any, str]]:
         for thing in (tuple, list, range):
             _known[id(thing)] = (thing, thing.__name__)
         # torch's all_gather as it was before anything patched it (memgather's wrapper is read through).
-        gather = _original_all_gather()
+        gather = core.original_all_gather()
         _known[id(gather)] = (gather, "torch.distributed.all_gather")
         for dotted in proof.FRAME_READERS:
             module, _, name = dotted.rpartition(".")
@@ -404,12 +405,6 @@ def _plain_module_attribute(thing: Any, part: str) -> bool:
         and kind.__getattribute__ is ModuleType.__getattribute__
         and inspect.getattr_static(kind, part, _MISSING) is _MISSING
     )
-
-
-def _original_all_gather() -> Any:
-    from memgather.engine import core  # (the engine's: captured before anything could patch it)
-
-    return core.original_all_gather()
 
 
 def _absolute_only(node: ast.ImportFrom) -> Optional[str]:
