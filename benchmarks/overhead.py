@@ -160,6 +160,7 @@ def measure(calls: int = DEFAULT_CALLS, rounds: int = DEFAULT_ROUNDS) -> Dict[st
     buffer = torch.empty(2048)
     direct = list(buffer.chunk(2))
     single = _single_call()
+    park = torch.empty(0)  # where the by-hand rebind parks the slots it releases
     # (name, how it runs, the NCCL threshold set to 0, the call)
     variants: List[Tuple[str, str, bool, Callable[[], Any]]] = [
         ("torch", _TORCH, False, lambda: user_code.call(tensor)),
@@ -168,7 +169,14 @@ def measure(calls: int = DEFAULT_CALLS, rounds: int = DEFAULT_ROUNDS) -> Dict[st
         ("below threshold", "*", False, lambda: user_code.call(tensor)),
         ("rewired (rebind)", "*", True, lambda: user_code.call(tensor)),
         (_FULL, "*", True, lambda: user_code.call(tensor)),
-        ("torch's calls of a rebind", _TORCH, True, lambda: user_code.rebind_by_hand(tensor, single)),
+        (
+            "torch's calls of a rebind",
+            _TORCH,
+            True,
+            lambda: user_code.rebind_by_hand(
+                [torch.empty_like(tensor), torch.empty_like(tensor)], tensor, single, park
+            ),
+        ),
         ("direct slots: torch", _TORCH, True, lambda: user_code.into(direct, tensor)),
         ("direct slots: rewired", "*", True, lambda: user_code.into(direct, tensor)),
         ("direct slots: single call alone", _TORCH, True, lambda: single(buffer, tensor)),

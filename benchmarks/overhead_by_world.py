@@ -44,14 +44,10 @@ from benchmarks.overhead import treat_fake_as_legacy_nccl
 treat_fake_as_legacy_nccl()  # memgather has no route for the fake backend: legacy NCCL's, in this process
 tensor = torch.ones(1024)
 single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from benchmarks import user_code
+park = torch.empty(0)
 def by_hand(slots, tensor):
-    for slot in slots:
-        slot.set_()
-    flat = torch.empty((len(slots) * tensor.shape[0],), dtype=tensor.dtype)
-    storage = flat.untyped_storage()
-    for index, slot in enumerate(slots):
-        slot.set_(storage, index * tensor.shape[0], tensor.shape, tensor.stride())
-    single(flat, tensor)
+    user_code.rebind_by_hand(slots, tensor, single, park)
 def run(gather):
     started = time.perf_counter()
     for _ in range(calls):
@@ -64,7 +60,6 @@ def kept(slots, tensor):
     user["gather"](slots, tensor)
 # A call site that makes its slots in the call, like the input (benchmarks/user_code.py): the kept
 # plan's proof reads each slot only for who holds it (memgather.patching.proof.slots_like_input).
-from benchmarks import user_code
 def made_like():
     started = time.perf_counter()
     for _ in range(calls):

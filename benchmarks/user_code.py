@@ -22,15 +22,15 @@ def call(tensor: torch.Tensor) -> None:
     dist.all_gather([torch.empty_like(tensor), torch.empty_like(tensor)], tensor)
 
 
-def rebind_by_hand(tensor: torch.Tensor, single: Any) -> None:
-    """What a rebind asks of torch for the slots ``call`` makes, and nothing else: each slot's storage
-    released, one flat buffer, each slot pointed into it, the single-tensor call ``single``. Written
-    as lean as a hand-made rebind of CPU slots can be, so that the time memgather's rebind takes
-    beyond it is memgather's own."""
-    slots = [torch.empty_like(tensor), torch.empty_like(tensor)]
+def rebind_by_hand(slots: List[torch.Tensor], tensor: torch.Tensor, single: Any, park: torch.Tensor) -> None:
+    """What a rebind asks of torch for fresh CPU ``slots``, and nothing else: each slot's storage
+    released (parked on ``park``, an empty tensor of their dtype, as memgather releases plain CPU
+    slots: ``memgather.engine.slots.rebind``), one flat buffer, each slot pointed into it, the
+    single-tensor call ``single``. Written as lean as a hand-made rebind of CPU slots can be, so that
+    the time memgather's rebind takes beyond it is memgather's own."""
     for slot in slots:
-        slot.set_()  # type: ignore[call-overload]  # no source: releases the storage; torch's stubs lack it
-    flat = torch.empty((2 * tensor.shape[0],), dtype=tensor.dtype)
+        slot.data = park  # releases the storage, the version counter left alone
+    flat = torch.empty((len(slots) * tensor.shape[0],), dtype=tensor.dtype)
     storage = flat.untyped_storage()
     for index, slot in enumerate(slots):
         slot.set_(storage, index * tensor.shape[0], tensor.shape, tensor.stride())

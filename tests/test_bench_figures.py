@@ -152,7 +152,7 @@ def test_overhead_parts_times_every_step_of_a_rebind() -> None:
     assert [name.strip() for name, _ in steps] == [
         "bind the call", "plan it (preconditions, route, slot checks)",
         "take the call site's kept plan (facts re-checked)", "the same, the slots proven made like the input",
-        "rebind's torch calls + the single-tensor call", "bookkeeping (statistics, version counters)",
+        "rebind's torch calls + the single-tensor call", "bookkeeping (statistics)",
         "the whole rewired call, through the wrapper", "torch's own call, unpatched"], done.stdout
     values = [float(value) for _, value in steps]
     assert values[6] > values[7], done.stdout  # a rewired call costs more than torch's own

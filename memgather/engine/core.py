@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from memgather import compat, config
 from memgather.engine import agreement, counters, elision, kept, pages, planner, routes, slots, staged, verification
-from memgather.engine.call import Call
+from memgather.engine.call import Call, bind
 from memgather.engine.plan import Plan
 from memgather.engine.reasons import Reason, Strategy
 
@@ -109,17 +109,18 @@ def all_gather(
     )
 
 
-def handle(call: Call, site: Optional[kept.Site] = None, made_like: bool = False) -> Any:
+def handle(call: Call, site: Optional[kept.Site] = None, made_like: bool = False, reuse: bool = True) -> Any:
     """Carry out one bound call: plan it, agree where the plan says so, execute the plan.
 
     ``site``: the call site's holder of a kept plan (``memgather.engine.kept``), where the
     call came through the wrapper. Its plan is taken where every fact it rests on holds, with
     the slots' version counters its re-check read; else the call is planned in full, and the
     plan kept on the site where it qualifies. ``made_like``: the site's code proves the slots
-    new tensors made like the input (``kept.reuse``).
+    new tensors made like the input (``kept.reuse``). ``reuse=False``: the site's kept plan was found
+    not to hold already (``rewire_kept``): planned in full.
     """
     elision.disarm_reused(call.tensor_list)  # slots armed by an earlier gather are plain again first
-    taken = kept.reuse(site, call, made_like) if site is not None else None
+    taken = kept.reuse(site, call, made_like) if site is not None and reuse else None
     if taken is None:
         plan = planner.plan(call, site)
         if plan.info is None:  # turned away before its group and slots were looked at: most calls, small ones
@@ -136,6 +137,42 @@ def handle(call: Call, site: Optional[kept.Site] = None, made_like: bool = False
     return _agree_and_execute(plan, call, taken)
 
 
+# What ``rewire_kept`` answers for a call it does not carry out.
+NOT_TAKEN = object()
+
+
+def rewire_kept(site: kept.Site, args: Tuple[Any, Any], check: bool, elide: bool, verify: bool, made_like: bool) -> Any:
+    """``all_gather(tensor_list, tensor)`` (``args``, as the caller passed them) from ``site``, carried
+    out by its kept parked rebind where every fact the plan rests on holds (``kept.holds``), else
+    planned in full; ``NOT_TAKEN`` where the site keeps no such plan (the wrapper then binds the call
+    and hands it to ``handle``).
+
+    A loop's call, from the wrapper straight to the writer: a plan kept with nothing to agree or
+    verify (``Kept.direct_call``), slots that ``holds`` read as plain tensors (neither armed nor
+    given by elision), no profiler range to open, and counters that the parking leaves as torch's
+    call does (nothing to set back).
+    """
+    kept_plan = site.kept
+    if kept_plan is None or not kept_plan.direct_call or compat.profiler_enabled():
+        return NOT_TAKEN
+    tensor_list, tensor = args
+    if kept.holds(kept_plan, tensor_list, tensor, None, False, check, elide, verify, made_like) is None:
+        call = bind(args, {}, check, elide, verify)
+        assert call is not None  # two positional arguments always bind
+        return handle(call, site, made_like, reuse=False)
+    plan = kept_plan.plan
+    route = plan.route
+    assert route is not None  # a plan that rewires has one
+    _count(plan, route)
+    if not tensor.requires_grad or not torch.is_grad_enabled():
+        return _rebind(route, tensor_list, tensor, None, False, elide, True)[0]
+    torch._C._set_grad_enabled(False)  # as in _rewire: memgather's own copies record no history
+    try:
+        return _rebind(route, tensor_list, tensor, None, False, elide, True)[0]
+    finally:
+        torch._C._set_grad_enabled(True)
+
+
 def _agree_and_execute(plan: Plan, call: Call, taken: Optional[kept.Taken]) -> Any:
     if plan.agree:
         gloo_route = _settings.gloo_route
@@ -144,7 +181,8 @@ def _agree_and_execute(plan: Plan, call: Call, taken: Optional[kept.Taken]) -> A
     if not plan.rewires:
         return to_torch(plan.reason, call.args, call.kwargs)
     if taken is None:
-        return _rewire(plan, call, slots.versions(call.tensor_list))
+        # (A parked rebind's counters end as torch's call leaves them: none to read and set back.)
+        return _rewire(plan, call, [] if plan.strategy is Strategy.PARKED_REBIND else slots.versions(call.tensor_list))
     return _rewire(plan, call, taken.versions, taken.untracked)
 
 
@@ -191,12 +229,14 @@ def to_torch(reason: Optional[Reason], args: Tuple[Any, ...], kwargs: Dict[str, 
 def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False) -> Any:
     """Carry out a plan that rewires: its writer moves the bytes; the slots end as torch leaves them.
 
-    ``versions``: the slots' version counters, read before anything touched them. ``untracked``:
+    ``versions``: the slots' version counters, read before anything touched them, to be set as torch
+    leaves them (``slots.mark_written``); empty where there are none to set: inference tensors have
+    none, and a parked rebind leaves them as torch does (``slots.rebind``). ``untracked``:
     the input does not require grad, so none of memgather's operations can record autograd history.
     """
     route, tensor_list = plan.route, call.tensor_list
-    assert route is not None and plan.gathered is not None  # a plan that rewires has both
-    counters.record(_COUNTED[plan.strategy], route.name, plan.gathered if route.saves_temp else 0)
+    assert route is not None  # a plan that rewires has one
+    _count(plan, route)
     writer = _WRITERS[plan.strategy]
     if untracked or not torch.is_grad_enabled():
         work, flat = writer(route, call)
@@ -208,7 +248,8 @@ def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False
             work, flat = writer(route, call)
         finally:
             torch._C._set_grad_enabled(True)
-    slots.mark_written(tensor_list, versions)
+    if versions:
+        slots.mark_written(tensor_list, versions)
     if call.verify:
         # Plain views of the buffer: the slots themselves may be armed for elision by the time they are read.
         written = tensor_list if flat is None else slots.views(flat, len(tensor_list), call.tensor.shape)
@@ -217,6 +258,11 @@ def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False
         verification.verify(_original_all_gather, written, call.tensor, call.group, _COUNTED[plan.strategy])
         counters.record_verified()
     return work
+
+
+def _count(plan: Plan, route: routes.Route) -> None:
+    assert plan.gathered is not None  # a plan that rewires has it
+    counters.record(_COUNTED[plan.strategy], route.name, plan.gathered if route.saves_temp else 0)
 
 
 # A writer moves the bytes of one call by its route. It returns torch's work object (or None),
@@ -241,11 +287,28 @@ def _write_armed_direct(route: routes.Route, call: Call) -> Tuple[Any, Optional[
 
 def _write_rebind(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
     """The slots' storages released, one flat buffer allocated, the slots made its views."""
-    elision.release(call.tensor_list)  # slots sharing a handed-out result are rebound: no write reaches it
-    flat = slots.rebind(call.tensor_list)
-    if call.elide:
-        elision.arm(call.tensor_list, flat)
-    return routes.run(route, flat, call.tensor, call.group, call.async_op, call.elide), flat
+    return _rebind(route, call.tensor_list, call.tensor, call.group, call.async_op, call.elide, False)
+
+
+def _write_parked_rebind(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
+    """A rebind of plain CPU slots, each released by parking it (``slots.rebind``)."""
+    return _rebind(route, call.tensor_list, call.tensor, call.group, call.async_op, call.elide, True)
+
+
+def _rebind(
+    route: routes.Route,
+    tensor_list: List[torch.Tensor],
+    tensor: Any,
+    group: Any,
+    async_op: Any,
+    elide: bool,
+    parked: bool,
+) -> Tuple[Any, torch.Tensor]:
+    elision.release(tensor_list)  # slots sharing a handed-out result are rebound: no write reaches it
+    flat = slots.rebind(tensor_list, parked)
+    if elide:
+        elision.arm(tensor_list, flat)
+    return routes.run(route, flat, tensor, group, async_op, elide), flat
 
 
 def _write_in_slots(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
@@ -264,9 +327,11 @@ _WRITERS: Dict[Strategy, _Writer] = {
     Strategy.DIRECT: _write_direct,
     Strategy.ARMED_DIRECT: _write_armed_direct,
     Strategy.REBIND: _write_rebind,
+    Strategy.PARKED_REBIND: _write_parked_rebind,
     Strategy.IN_SLOTS: _write_in_slots,
     Strategy.STAGED: _write_staged,
 }
 # What ``memgather.stats()`` counts each under.
 _COUNTED: Dict[Strategy, str] = {strategy: strategy.value for strategy in _WRITERS}
 _COUNTED[Strategy.ARMED_DIRECT] = Strategy.DIRECT.value
+_COUNTED[Strategy.PARKED_REBIND] = Strategy.REBIND.value

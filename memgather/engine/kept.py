@@ -56,6 +56,7 @@ SlotCheck = Callable[[list, torch.Tensor, torch.Size, Any, int, bool], Optional[
 # buffer, as DeepSpeed's).
 _CHECKS: Dict[Strategy, SlotCheck] = {
     Strategy.REBIND: strategies.rebinds_as_kept,
+    Strategy.PARKED_REBIND: strategies.rebinds_as_kept,
     Strategy.IN_SLOTS: strategies.rebinds_as_kept,
     Strategy.DIRECT: strategies.direct_as_kept,
 }
@@ -73,20 +74,25 @@ class Kept(NamedTuple):
     dtype: torch.dtype
     keys: Any  # the input's dispatch keys
     slot_keys: Any  # the first slot's
-    versioned: bool  # the slots have version counters (not inference tensors)
+    # The check reads the slots' version counters: they have some (not inference tensors), to be set
+    # back (not a parked rebind's).
+    versioned: bool
     rebinds: bool  # the plan rests on choose() answering REBIND (rebinds_as_kept): a rebind, or in_slots
     async_op: Any  # True, False or None
     check: bool
     elide: bool
     verify: bool
     inference: bool  # inference mode when the plan was made
+    # A parked rebind with nothing to agree or verify: its calls of the form all_gather(tensor_list, tensor)
+    # are taken from the wrapper straight to the writer (``core.rewire_kept``).
+    direct_call: bool
 
 
 class Taken(NamedTuple):
     """A kept plan taken for one call, with what its re-check read on the way."""
 
     plan: Plan
-    versions: List[int]  # the slots' version counters, as read (``slots.versions``)
+    versions: List[int]  # the slots' version counters, as read (empty: none to set back, ``core._rewire``)
     untracked: bool  # the input does not require grad: nothing memgather does can record autograd history
 
 
@@ -153,19 +159,39 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
     if kept is None:
         return None
     tensor = call.tensor
+    versions = holds(
+        kept, call.tensor_list, tensor, call.group, call.async_op, call.check, call.elide, call.verify, made_like
+    )
+    if versions is None:
+        return None
+    return _new(Taken, (kept.plan, versions, not tensor.requires_grad))
+
+
+def holds(
+    kept: Kept,
+    tensor_list: Any,
+    tensor: Any,
+    group: Any,
+    async_op: Any,
+    check: bool,
+    elide: bool,
+    verify: bool,
+    made_like: bool,
+) -> Optional[List[int]]:
+    """Whether every fact ``kept`` rests on holds for a call of these arguments and settings (``reuse``):
+    the slots' version counters its check read (empty: none to set back, ``core._rewire``), or None."""
     if not (
         type(tensor) is torch.Tensor
-        and call.async_op is kept.async_op
-        and call.check is kept.check
-        and call.elide is kept.elide
-        and call.verify is kept.verify
+        and async_op is kept.async_op
+        and check is kept.check
+        and elide is kept.elide
+        and verify is kept.verify
         and tensor.dtype is kept.dtype
         and tensor.shape == kept.shape
-        and type(call.tensor_list) is list
-        and len(call.tensor_list) == kept.world
+        and type(tensor_list) is list
+        and len(tensor_list) == kept.world
     ):
         return None
-    group = call.group
     if group is None:
         pg = compat.default_group()
     elif compat.unregistered_group(group):
@@ -191,12 +217,8 @@ def reuse(site: Site, call: Call, made_like: bool = False) -> Optional[Taken]:
     if not contiguous and route is not None and route.contiguous_input_only:
         return None  # the route reads the input as raw memory (legacy NCCL's): planned in full
     if made_like and contiguous and kept.rebinds:
-        versions = strategies.made_like_as_kept(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.versioned)
-    else:
-        versions = kept.slots_checked(call.tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)
-    if versions is None:
-        return None
-    return _new(Taken, (kept.plan, versions, not tensor.requires_grad))
+        return strategies.made_like_as_kept(tensor_list, tensor, kept.shape, kept.slot_keys, kept.versioned)
+    return kept.slots_checked(tensor_list, tensor, kept.shape, kept.slot_keys, kept.rank, kept.versioned)
 
 
 def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
@@ -228,7 +250,7 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
         return
     keys = compat.dispatch_keys(tensor)
     slot_keys = compat.dispatch_keys(tensor_list[0])
-    versioned = not tensor_list[0].is_inference()
+    versioned = not tensor_list[0].is_inference() and plan.strategy is not Strategy.PARKED_REBIND
     if checked(tensor_list, tensor, tensor.shape, slot_keys, plan.info.rank, versioned) is None:
         site.kept = None  # choose() answered otherwise (IN_SLOTS by fill_in_slots, DIRECT armed...): not kept
         return
@@ -249,4 +271,5 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
         call.elide,
         call.verify,
         torch.is_inference_mode_enabled(),
+        plan.strategy is Strategy.PARKED_REBIND and not plan.agree and not call.verify,
     )

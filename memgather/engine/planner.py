@@ -186,7 +186,8 @@ def _strategy(
         return Strategy.ARMED_DIRECT if elide and slots.tile_their_storage(tensor_list) else outcome
     if route.in_place and not elide and not elision.any_given(tensor_list):
         return Strategy.IN_SLOTS  # nothing to concatenate afterwards: fill the slots where they lie
-    return outcome
+    # Plain CPU slots are released without a step of their version counters (slots.rebind).
+    return Strategy.PARKED_REBIND if slots.parkable(tensor_list) else outcome
 
 
 def _under_function_mode(call: Call) -> Plan:

@@ -13,6 +13,9 @@ class Strategy(str, enum.Enum):
     # rebind's are; counted as "direct": the same single call into the same region.
     ARMED_DIRECT = "armed_direct"
     REBIND = "rebind"
+    # REBIND of plain CPU slots, each released by parking it (``slots.rebind``): its one set_() into the
+    # buffer leaves its version counter as torch's copy does, with nothing to set back; counted as "rebind".
+    PARKED_REBIND = "parked_rebind"
     IN_SLOTS = "in_slots"
     STAGED = "staged"  # a temporary flat buffer, the single-tensor call, a copy into the slots where they lie
     INTO_RESULT = "into_result"  # memgather.gather's small call: torch's single-tensor call into its result

@@ -7,7 +7,7 @@ exactly the memory of slot ``i``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,22 +50,32 @@ def tensor_over(holder: torch.Tensor, offset: int, shape: Tuple[int, ...]) -> to
     return tensor
 
 
-def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
+def rebind(slots: List[torch.Tensor], parked: bool = False) -> torch.Tensor:
     """Replace the slots' storages by views of one new flat buffer.
 
     The old storages are released before the buffer is allocated, so the two
     never exist at once. If the allocation fails, every slot gets a fresh
     tensor of its shape back before the exception propagates.
+
+    ``parked``: the slots are plain CPU tensors of ``PARKING_KEYS`` (``parkable``), each released by
+    pointing it at an empty tensor of its dtype (``.data =``), which leaves its version counter
+    where it was; else by ``set_()``, which steps it.
     """
     first = slots[0]
     shape, dtype, device = first.shape, first.dtype, first.device
     # A contiguous slot has its shape's strides but on dims of size 1, where any stride is contiguous
     # (empty_like of a channels_last (N, C, 1, 1) keeps (C, 1, C, C)): each keeps its own, as under torch.
     own = [slot.stride() for slot in slots] if 1 in shape else None
-    if first.is_cuda:  # before set_(): after it, the new storage would be recorded
-        cuda_memory.release_on_current_stream(slots)
-    for slot in slots:
-        slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
+    if parked:
+        park = _parks[dtype]  # (made by parkable(), which the plan asked)
+        assert park is not None
+        for slot in slots:
+            slot.data = park  # drops the only reference to its storage: freed here
+    else:
+        if first.is_cuda:  # before set_(): after it, the new storage would be recorded
+            cuda_memory.release_on_current_stream(slots)
+        for slot in slots:
+            slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
     try:
         flat = torch.empty(flat_shape(shape, len(slots)), dtype=dtype, device=device)
     except BaseException:
@@ -80,6 +90,47 @@ def rebind(slots: List[torch.Tensor]) -> torch.Tensor:
     for index, slot in enumerate(slots):
         slot.set_(storage, index * step, shape, strides if own is None else own[index])
     return flat
+
+
+# Parking: a slot released by ``slot.data = park``, an empty tensor of its dtype, drops its storage as
+# ``set_()`` does, but ``.data =`` is no in-place operation: the slot's version counter stays where it
+# was. The one ``set_`` into the buffer that follows then steps each slot's counter once, as torch's
+# list call does with its one copy into each slot (a counter two slots share, twice), and the counters
+# need no setting back (``mark_written``). ``.data =`` also gives the slot the park's dispatch keys:
+# only slots whose keys are the park's (``PARKING_KEYS``: a plain dense CPU tensor, not an inference
+# tensor) are parked. Parks are memgather's own, 0 bytes, never written, one per dtype.
+_parks: Dict[torch.dtype, Optional[torch.Tensor]] = {}
+
+
+def _new_park(dtype: torch.dtype) -> Optional[torch.Tensor]:
+    try:
+        with torch.inference_mode(False), compat.outside_modes():  # plain, whatever mode the caller is in
+            park = torch.empty(0, dtype=dtype, device="cpu")
+    except (RuntimeError, TypeError):  # a dtype torch makes no such tensor of
+        return None
+    return park if compat.dispatch_keys is not None and compat.dispatch_keys(park) == PARKING_KEYS else None
+
+
+# A plain CPU tensor's, made outside every mode; None where this torch has no read of dispatch keys
+# (nothing is parked there).
+with torch.inference_mode(False), compat.outside_modes():
+    PARKING_KEYS = compat.dispatch_keys(torch.empty(0)) if compat.dispatch_keys is not None else None
+
+
+def parking(dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The empty tensor slots of ``dtype`` are parked on (made once per dtype; None: not parked)."""
+    if dtype not in _parks:
+        _parks.setdefault(dtype, _new_park(dtype))
+    return _parks[dtype]
+
+
+def parkable(slots: List[torch.Tensor]) -> bool:
+    """Whether ``rebind(slots, parked=True)`` may park every slot: each has ``PARKING_KEYS``, and their
+    dtype a park."""
+    keys = compat.dispatch_keys
+    if keys is None or not slots or not all(keys(slot) == PARKING_KEYS for slot in slots):
+        return False
+    return parking(slots[0].dtype) is not None
 
 
 def fill_from(slots: List[torch.Tensor], flat: torch.Tensor) -> None:

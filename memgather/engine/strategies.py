@@ -54,13 +54,13 @@ def rebinds_as_kept(
 ) -> Optional[List[int]]:
     """Whether ``choose`` would answer REBIND for these CPU slots, in one call: a kept plan's
     per-call check (``memgather.engine.kept``), where the input was found as when it was kept.
-    Returns the slots' version counters (``slots.versions``), or None.
+    Returns the slots' version counters (``slots.versions``; ``versioned`` False: none are read, and
+    the list is empty), or None.
 
     ``rank`` is not needed (the signature is ``direct_as_kept``'s). ``keys`` are the dispatch keys of
     a slot that passed ``choose`` in full: the same keys mean the same device type, a strided
     layout, no conjugate or negative bit, the same inference status (inference mode is part of the
-    kept plan's key; ``versioned``: not inference tensors, which have no version counter) and no
-    functorch wrapper. Each slot is then held to every other fact ``_check_slots`` and
+    kept plan's key) and no functorch wrapper. Each slot is then held to every other fact ``_check_slots`` and
     ``_rebind_refusal`` read: the input's dtype, the shape, no grad, contiguous, private memory held
     by the slot alone (``compat.exclusive_cpu_slots``, not pinned), not the input itself, no slot
     twice, and the second slot not starting where the first ends (storages emptied by
@@ -105,7 +105,8 @@ def _rebinds_as_kept(
                 and slot.is_contiguous()
             ):
                 return None
-            read(slot._version if versioned else -1)
+            if versioned:
+                read(slot._version)
         # (Their memory read once every slot was found a plain dense CPU tensor: one with a storage.)
         if not compat.exclusive_cpu_slots(tensor_list, unpinned=not made_like):
             return None
@@ -148,7 +149,8 @@ def direct_as_kept(
             start, step, storage = slot.data_ptr(), slot.numel() * slot.element_size(), compat.storage_ptr(slot)
         elif slot.data_ptr() != start + index * step or compat.storage_ptr(slot) != storage:
             return None
-        before.append(slot._version if versioned else -1)
+        if versioned:
+            before.append(slot._version)
     return before if step > 0 and not _input_overlaps_region(tensor, tensor_list, rank) else None
 
 

@@ -196,6 +196,10 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
                     elide = sites.dropped(found, args[0] if args else kwargs.get("tensor_list"))
             elif elide is None:
                 elide = sites.elides(frame, args[0] if args else kwargs.get("tensor_list"), gatherer, site)
+            if site.kept is not None and len(args) == 2 and not kwargs:  # a loop's call, as most are written
+                done = core.rewire_kept(site, args, active.check, elide, active.verify, made_like)
+                if done is not core.NOT_TAKEN:
+                    return done
             call = bind(args, kwargs, active.check, elide, active.verify)
             if call is None:  # arguments torch's signature does not take: torch's own TypeError
                 return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
