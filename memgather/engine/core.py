@@ -1,6 +1,8 @@
 """memgather's all-gather: the per-call path, top to bottom.
 
     all_gather(tensor_list, tensor, ...)      memgather's own entry; the wrapper binds a caller's call
+      (rewire_kept                            a loop's call whose call site keeps a parked rebind: its
+                                              facts checked (kept.holds), straight to the writer)
       -> call.bind                            the arguments, bound to torch's signature once
       -> kept.reuse                           a call site's kept plan, where every fact it rests on holds
       or planner.plan                         else the plan in full: strategy, route, agreement, or the

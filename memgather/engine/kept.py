@@ -28,11 +28,14 @@ from the site takes it where ``reuse`` finds them all unchanged:
   wrong (``strategies.made_like_as_kept``).
 
 The slots' version counters are read in that call, and handed on with the plan
-(``Taken``) to the writer, which sets them as torch's call leaves them. Anything
-else, and any fact found changed, gets the plan made in full, which is kept anew
-where it qualifies. CUDA calls are always planned in full: their slots' allocator
-facts are read there. A site is one place a call is made from (``Sites``);
-``patch()`` and ``unpatch()`` drop every site (``patcher``), and so every kept plan.
+(``Taken``) to the writer, which sets them as torch's call leaves them; but for a
+parked rebind (plain CPU slots, ``slots.rebind``), whose counters end as torch's with
+nothing read or set, and whose calls the wrapper takes straight to the writer
+(``core.rewire_kept``, through ``holds``). Anything else, and any fact found changed,
+gets the plan made in full, which is kept anew where it qualifies. CUDA calls are
+always planned in full: their slots' allocator facts are read there. A site is one
+place a call is made from (``Sites``); ``patch()`` and ``unpatch()`` drop every site
+(``patcher``), and so every kept plan.
 """
 
 from __future__ import annotations
