@@ -21,7 +21,7 @@ from memgather.engine import slots
 from tests.conftest import run_on_fake
 
 needs_rebind = pytest.mark.skipif(not compat.can_prove_exclusive(), reason="no storage use count: no rebind")
-needs_keys = pytest.mark.skipif(compat.dispatch_keys is None, reason="no read of dispatch keys: nothing is parked")
+needs_keys = pytest.mark.skipif(slots.PARKING_KEYS is None, reason="this torch does not park (slots.PARKING_KEYS)")
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int64, torch.bool, torch.complex64]
 SHAPES = [(4,), (2, 3), (), (2, 3, 1, 1)]
@@ -84,6 +84,13 @@ def test_only_plain_cpu_slots_are_parked() -> None:
     assert not slots.parkable([torch.empty(4), torch.empty(4, device="meta")])
     assert not slots.parkable([torch.empty(4), torch.empty(4).to_sparse()])
     assert not slots.parkable([])
+
+
+def test_where_torch_does_not_park_as_probed_nothing_is_parked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slots, "PARKING_KEYS", None)
+    assert not slots.parkable([torch.empty(4), torch.empty(4)])
+    monkeypatch.setattr(torch.Tensor, "data", property(lambda t: t.detach(), lambda t, new: t.set_()))
+    assert slots._parking_keys() is None  # a .data = that steps the counter, as set_() does, fails the probe
 
 
 # One call site, gathering in a loop: each case's calls after its first take the plan kept on it.

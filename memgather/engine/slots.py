@@ -7,7 +7,7 @@ exactly the memory of slot ``i``.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -108,13 +108,31 @@ def _new_park(dtype: torch.dtype) -> Optional[torch.Tensor]:
             park = torch.empty(0, dtype=dtype, device="cpu")
     except (RuntimeError, TypeError):  # a dtype torch makes no such tensor of
         return None
-    return park if compat.dispatch_keys is not None and compat.dispatch_keys(park) == PARKING_KEYS else None
+    keys = compat.dispatch_keys
+    return park if keys is not None and PARKING_KEYS is not None and keys(park) == PARKING_KEYS else None
 
 
-# A plain CPU tensor's, made outside every mode; None where this torch has no read of dispatch keys
-# (nothing is parked there).
-with torch.inference_mode(False), compat.outside_modes():
-    PARKING_KEYS = compat.dispatch_keys(torch.empty(0)) if compat.dispatch_keys is not None else None
+def _parking_keys() -> Optional[Any]:
+    """A plain CPU tensor's dispatch keys, where this torch parks as ``rebind`` relies on (probed: the
+    counter left alone by ``.data =``, the keys kept, one step from the ``set_`` into a buffer); None
+    where it does not, or has no read of dispatch keys: nothing is parked there."""
+    keys = compat.dispatch_keys
+    if keys is None:
+        return None
+    try:
+        with torch.inference_mode(False), compat.outside_modes():
+            probe, park, buffer = torch.ones(2), torch.empty(0), torch.empty(2)
+            plain, before = keys(probe), probe._version
+            probe.data = park
+            parked = probe._version == before and keys(probe) == plain and probe.untyped_storage().nbytes() == 0
+            probe.set_(buffer.untyped_storage(), 0, (2,), (1,))
+            stepped = probe._version == before + 1 and keys(probe) == plain
+    except (AttributeError, RuntimeError, TypeError):  # (torch 1.13 has no untyped storage: nor any rebind)
+        return None
+    return plain if parked and stepped else None
+
+
+PARKING_KEYS = _parking_keys()
 
 
 def parking(dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -128,7 +146,7 @@ def parkable(slots: List[torch.Tensor]) -> bool:
     """Whether ``rebind(slots, parked=True)`` may park every slot: each has ``PARKING_KEYS``, and their
     dtype a park."""
     keys = compat.dispatch_keys
-    if keys is None or not slots or not all(keys(slot) == PARKING_KEYS for slot in slots):
+    if keys is None or PARKING_KEYS is None or not slots or not all(keys(slot) == PARKING_KEYS for slot in slots):
         return False
     return parking(slots[0].dtype) is not None
 
