@@ -313,6 +313,12 @@ def held_only_by_python(tensor: torch.Tensor) -> bool:
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
 
+# Whether a torch.func transform (grad, vmap, jvp, functionalize) is running: memgather's own in-place
+# layout of the slots (set_, .data =) is no operation of the program the transform sees, and a
+# tensor made under it is the transform's wrapper. Not one on a torch without functorch.
+functorch_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
 def functorch_wrapped(tensor: torch.Tensor, others: Iterable[Any] = ()) -> bool:
     """Whether ``tensor`` or any tensor among ``others`` is a functorch transform's wrapper (vmap's
     BatchedTensor, grad's tracking tensor): it has no storage of its own for memgather to lay out."""

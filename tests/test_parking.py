@@ -74,6 +74,30 @@ def test_a_parked_rebind_leaves_the_slots_as_a_released_one_set_back(
 
 
 @needs_keys
+@pytest.mark.parametrize("parked", [True, False], ids=["parked", "released"])
+def test_a_rebind_that_fails_after_the_release_gives_every_slot_memory_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, parked: bool
+) -> None:
+    """Anything that fails between the release and the last set_ (here the huge-page advice): no slot
+    is left released or parked on the park, each has fresh memory of its shape, and the error is raised."""
+
+    def failing(flat: torch.Tensor) -> None:
+        raise RuntimeError("advice failed")
+
+    monkeypatch.setattr(slots.pages, "MIN_BYTES", 0)
+    monkeypatch.setattr(slots.pages, "advise", failing)
+    tensor_list = [torch.ones(2, 3, 1, 1).contiguous(memory_format=torch.channels_last) for _ in range(3)]
+    strides = [s.stride() for s in tensor_list]
+    with pytest.raises(RuntimeError, match="advice failed"):
+        slots.rebind(tensor_list, parked=parked)
+    assert [s.stride() for s in tensor_list] == strides
+    assert all(s.shape == (2, 3, 1, 1) and s.untyped_storage().nbytes() == 6 * 4 for s in tensor_list)
+    assert len({s.untyped_storage().data_ptr() for s in tensor_list}) == 3
+    park = slots.parking(torch.float32)
+    assert park is not None and park.untyped_storage().nbytes() == 0
+
+
+@needs_keys
 def test_only_plain_cpu_slots_are_parked() -> None:
     plain = [torch.empty(4), torch.empty(4)]
     assert slots.parkable(plain)
@@ -91,6 +115,50 @@ def test_where_torch_does_not_park_as_probed_nothing_is_parked(monkeypatch: pyte
     assert not slots.parkable([torch.empty(4), torch.empty(4)])
     monkeypatch.setattr(torch.Tensor, "data", property(lambda t: t.detach(), lambda t, new: t.set_()))
     assert slots._parking_keys() is None  # a .data = that steps the counter, as set_() does, fails the probe
+
+
+_TRANSFORMS = """
+import json
+from dataclasses import replace
+exec(compile('import torch.distributed as dist\\ndef site(slots, t):\\n    dist.all_gather(slots, t)\\n',
+             '<user>', 'exec'), user)
+t = torch.arange(4.0)
+def run():
+    seen, made = [], []
+    def gathering(x):
+        got = made.pop()  # plain slots, made outside the transform: the kept plan's check must refuse it
+        user["site"](got, t)
+        seen.append([[s._version, list(s.shape), s.requires_grad] for s in got])
+        return (x * 2).sum()
+    for _ in range(2):  # outside any transform: the second call takes the plan the first kept
+        made.append([torch.empty_like(t), torch.empty_like(t)])
+        gathering(torch.ones(3))
+    for transform in (torch.func.grad, torch.func.vmap):
+        made.append([torch.empty_like(t), torch.empty_like(t)])
+        try:
+            transform(gathering)(torch.ones(3))
+            seen.append("returned")
+        except Exception as error:
+            seen.append(["raised", type(error).__name__])
+    return seen
+want = run()
+memgather.patch(["user_code"])
+core.configure(replace(core.settings(), nccl_min_bytes=0))
+memgather.reset_stats()
+got = run()
+print(json.dumps([want, got, dict(memgather.stats().by_strategy), dict(memgather.stats().fallbacks)]))
+"""
+
+
+@needs_rebind
+@needs_keys
+def test_under_a_torch_func_transform_the_call_is_torchs() -> None:
+    """Under ``torch.func.grad`` or ``vmap`` (plain tensors captured from outside), memgather's in-place
+    layout is no operation of the transformed program: the call goes to torch, kept plan or not."""
+    want, got, strategies, fallbacks = json.loads(run_on_fake(textwrap.dedent(_TRANSFORMS)).splitlines()[-1])
+    assert got == want
+    assert strategies == {"rebind": 2, "fallback": fallbacks["functorch"]} and fallbacks["functorch"] >= 2, (
+        strategies, fallbacks)
 
 
 # One call site, gathering in a loop: each case's calls after its first take the plan kept on it.

@@ -265,7 +265,7 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any, described: bool = F
         # private pool, for every replay to reuse) and frees memory from before capture: torch's
         # own call is what capture records safely. Every rank captures the same program.
         return Reason.GRAPH_CAPTURE
-    if compat.functorch_wrapped(tensor, tensor_list if type(tensor_list) is list else ()):
+    if compat.functorch_active() or compat.functorch_wrapped(tensor, tensor_list if type(tensor_list) is list else ()):
         return Reason.FUNCTORCH
     if compat.unregistered_group(group):
         # Described before, perhaps: what was learned of it holds, but its ranks can no longer be

@@ -41,7 +41,7 @@ class Reason(str, enum.Enum):
     DISPATCH_MODE = (
         "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations (agreed on)
     )
-    FUNCTORCH = "functorch"  # input or a slot is a vmap / grad transform's wrapper: no storage of its own
+    FUNCTORCH = "functorch"  # a torch.func transform runs, or the input or a slot is its wrapper
     BAD_ARGUMENTS = "bad_arguments"  # arguments all_gather's signature does not take, an async_op torch refuses
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
     WRONG_LENGTH = "wrong_length"  # list length is not the group size

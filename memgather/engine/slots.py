@@ -54,8 +54,9 @@ def rebind(slots: List[torch.Tensor], parked: bool = False) -> torch.Tensor:
     """Replace the slots' storages by views of one new flat buffer.
 
     The old storages are released before the buffer is allocated, so the two
-    never exist at once. If the allocation fails, every slot gets a fresh
-    tensor of its shape back before the exception propagates.
+    never exist at once. If the allocation (or anything up to the slots' being
+    its views) fails, every slot gets a fresh tensor of its shape back before the
+    exception propagates.
 
     ``parked``: the slots are plain CPU tensors of ``PARKING_KEYS`` (``parkable``), each released by
     pointing it at an empty tensor of its dtype (``.data =``), which leaves its version counter
@@ -78,17 +79,17 @@ def rebind(slots: List[torch.Tensor], parked: bool = False) -> torch.Tensor:
             slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
     try:
         flat = torch.empty(flat_shape(shape, len(slots)), dtype=dtype, device=device)
-    except BaseException:
+        total = flat.numel()
+        if total * flat.element_size() >= pages.MIN_BYTES:  # (most rebinds are small: no call for them)
+            pages.advise(flat)
+        storage = flat.untyped_storage()
+        strides = flat.stride() if len(shape) else ()  # a slot is flat's rows d0 at a time: same strides
+        step = total // len(slots)
+        for index, slot in enumerate(slots):
+            slot.set_(storage, index * step, shape, strides if own is None else own[index])
+    except BaseException:  # no slot is left released (nor parked): memory of its own, its shape's
         _reallocate(slots, shape, dtype, device, own)
         raise
-    total = flat.numel()
-    if total * flat.element_size() >= pages.MIN_BYTES:  # (most rebinds are small: no call for them)
-        pages.advise(flat)
-    storage = flat.untyped_storage()
-    strides = flat.stride() if len(shape) else ()  # a slot is flat's rows d0 at a time: same strides
-    step = total // len(slots)
-    for index, slot in enumerate(slots):
-        slot.set_(storage, index * step, shape, strides if own is None else own[index])
     return flat
 
 
@@ -207,14 +208,16 @@ def _reallocate(
     device: torch.device,
     own: Optional[List[Tuple[int, ...]]],
 ) -> None:
-    """Give each slot a fresh tensor of its shape back, with its own strides (``own``; None: its shape's)."""
-    for index, slot in enumerate(slots):
-        fresh = (
-            torch.empty(shape, dtype=dtype, device=device)
-            if own is None
-            else torch.empty_strided(shape, own[index], dtype=dtype, device=device)
-        )
-        slot.set_(fresh)  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
+    """Give each slot a fresh tensor of its shape back, with its own strides (``own``; None: its shape's),
+    made and set outside any mode or transform (no ``torch.device`` mode may make them elsewhere)."""
+    with compat.outside_modes():
+        for index, slot in enumerate(slots):
+            fresh = (
+                torch.empty(shape, dtype=dtype, device=device)
+                if own is None
+                else torch.empty_strided(shape, own[index], dtype=dtype, device=device)
+            )
+            slot.set_(fresh)  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
 
 
 def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
