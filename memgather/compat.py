@@ -319,6 +319,15 @@ _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_funct
 functorch_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
+_forward_ad = getattr(torch.autograd, "forward_ad", None)
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-AD dual level is open (``torch.autograd.forward_ad.dual_level``): a slot may
+    then carry a tangent, and forward AD refuses ``set_`` on it (torch's copies carry tangents)."""
+    return _forward_ad is not None and getattr(_forward_ad, "_current_level", -1) >= 0
+
+
 def functorch_wrapped(tensor: torch.Tensor, others: Iterable[Any] = ()) -> bool:
     """Whether ``tensor`` or any tensor among ``others`` is a functorch transform's wrapper (vmap's
     BatchedTensor, grad's tracking tensor): it has no storage of its own for memgather to lay out."""

@@ -687,6 +687,37 @@ def _functorch(pools: Any) -> Counter:
     return Counter(results[0]["fallbacks"])
 
 
+def dual_level_gathers(ctx: Any) -> Dict[str, Any]:
+    """An async gather (a rebind's route) in a forward-AD dual level, into a slot that carries a tangent
+    (an in-place copy of a dual tensor) and a plain one, by torch then by memgather."""
+    import torch.autograd.forward_ad as forward_ad
+
+    def outcome(call: Callable[..., Any]) -> Any:
+        with forward_ad.dual_level():
+            carrying = torch.zeros(BIG)
+            carrying.copy_(forward_ad.make_dual(torch.zeros(BIG), torch.ones(BIG)))
+            slots = [carrying, torch.zeros(BIG)]
+            try:
+                call(slots, torch.full((BIG,), float(ctx.rank)), async_op=True).wait()
+            except Exception as error:  # noqa: BLE001 - the error is the outcome compared
+                return ["raise", type(error).__name__, str(error)]
+            tangent = forward_ad.unpack_dual(slots[0]).tangent
+            return [[s[0].item() for s in slots], [s._version for s in slots], tangent is None or tangent.sum().item()]
+
+    want = outcome(dist.all_gather)
+    memgather.reset_stats()
+    got = outcome(memgather.all_gather)
+    return {"same": got == want, "torch": want, "got": got, "fallbacks": dict(memgather.stats().fallbacks)}
+
+
+def _forward_ad(pools: Any) -> Counter:
+    """In a dual level a slot may carry a tangent, which forward AD carries through torch's copies."""
+    results = unwrap(pools(2, **EAGER).run(dual_level_gathers))
+    for result in results:
+        assert result["same"], result
+    return Counter(results[0]["fallbacks"])
+
+
 def _no_primitive(pools: Any) -> Counter:
     """A torch without any single-tensor all-gather: torch's list call gathers, memgather says why.
 
@@ -940,6 +971,7 @@ REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.TORCH_FUNCTION: partial(_bad_input, "input_torch_function"),
     Reason.DISPATCH_MODE: _dispatch_mode,
     Reason.FUNCTORCH: _functorch,
+    Reason.FORWARD_AD: _forward_ad,
     Reason.BAD_ARGUMENTS: _bad_arguments,
     Reason.NOT_A_LIST: partial(_bad_input, "not_a_list"),
     Reason.WRONG_LENGTH: partial(_bad_input, "wrong_length"),

@@ -98,6 +98,25 @@ def test_a_rebind_that_fails_after_the_release_gives_every_slot_memory_of_its_ow
 
 
 @needs_keys
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward_ad's import
+@pytest.mark.parametrize("parked", [True, False], ids=["parked", "released"])
+def test_a_slot_that_refuses_set_leaves_no_other_slot_without_memory(parked: bool) -> None:
+    """In a forward-AD dual level, a slot that carries a tangent refuses set_ (the plan sends such calls
+    to torch; here rebind is called straight): every slot, that one too, gets memory of its own back."""
+    import torch.autograd.forward_ad as forward_ad
+
+    with forward_ad.dual_level():
+        carrying = torch.zeros(4)
+        carrying.copy_(forward_ad.make_dual(torch.zeros(4), torch.ones(4)))
+        tensor_list = [torch.zeros(4), carrying, torch.zeros(4)]
+        assert slots.parkable(tensor_list)  # (as the plan asks: the park of their dtype made)
+        with pytest.raises(NotImplementedError):
+            slots.rebind(tensor_list, parked=parked)
+    assert all(s.shape == (4,) and s.untyped_storage().nbytes() == 16 for s in tensor_list)
+    assert len({s.untyped_storage().data_ptr() for s in tensor_list}) == 3
+
+
+@needs_keys
 def test_only_plain_cpu_slots_are_parked() -> None:
     plain = [torch.empty(4), torch.empty(4)]
     assert slots.parkable(plain)
@@ -140,6 +159,18 @@ def run():
             seen.append("returned")
         except Exception as error:
             seen.append(["raised", type(error).__name__])
+    for _ in range(2):  # kept anew (the transforms' calls kept none)
+        made.append([torch.empty_like(t), torch.empty_like(t)])
+        gathering(torch.ones(3))
+    import torch.autograd.forward_ad as forward_ad
+    with forward_ad.dual_level():  # a slot that carries a tangent: forward AD refuses set_ on it
+        carrying = torch.empty_like(t)
+        carrying.copy_(forward_ad.make_dual(torch.zeros(4), torch.ones(4)))
+        made.append([carrying, torch.empty_like(t)])
+        try:
+            gathering(torch.ones(3))
+        except Exception as error:
+            seen.append(["raised", type(error).__name__])
     return seen
 want = run()
 memgather.patch(["user_code"])
@@ -152,13 +183,14 @@ print(json.dumps([want, got, dict(memgather.stats().by_strategy), dict(memgather
 
 @needs_rebind
 @needs_keys
-def test_under_a_torch_func_transform_the_call_is_torchs() -> None:
+def test_under_a_torch_func_transform_or_in_a_dual_level_the_call_is_torchs() -> None:
     """Under ``torch.func.grad`` or ``vmap`` (plain tensors captured from outside), memgather's in-place
-    layout is no operation of the transformed program: the call goes to torch, kept plan or not."""
+    layout is no operation of the transformed program; in a forward-AD dual level a slot may carry a
+    tangent, which forward AD refuses set_ on: the call goes to torch, kept plan or not."""
     want, got, strategies, fallbacks = json.loads(run_on_fake(textwrap.dedent(_TRANSFORMS)).splitlines()[-1])
     assert got == want
-    assert strategies == {"rebind": 2, "fallback": fallbacks["functorch"]} and fallbacks["functorch"] >= 2, (
-        strategies, fallbacks)
+    assert fallbacks["functorch"] >= 2 and fallbacks["forward_ad"] == 1, fallbacks
+    assert strategies == {"rebind": 4, "fallback": fallbacks["functorch"] + 1}, (strategies, fallbacks)
 
 
 # One call site, gathering in a loop: each case's calls after its first take the plan kept on it.

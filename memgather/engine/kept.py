@@ -209,6 +209,7 @@ def holds(
         compat.function_mode_active()
         or compat.dispatch_mode_active()
         or compat.functorch_active()
+        or compat.forward_ad_active()
         or torch.is_inference_mode_enabled() is not kept.inference
         or not compat.dispatch_keys(tensor) == kept.keys  # type: ignore[misc]  # present: kept plans need it
         or facts.group() is not pg

@@ -267,6 +267,8 @@ def _precondition(tensor_list: Any, tensor: Any, group: Any, described: bool = F
         return Reason.GRAPH_CAPTURE
     if compat.functorch_active() or compat.functorch_wrapped(tensor, tensor_list if type(tensor_list) is list else ()):
         return Reason.FUNCTORCH
+    if compat.forward_ad_active():
+        return Reason.FORWARD_AD
     if compat.unregistered_group(group):
         # Described before, perhaps: what was learned of it holds, but its ranks can no longer be
         # named. torch's call runs on the object, with a default group or without one.

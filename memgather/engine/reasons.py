@@ -42,6 +42,7 @@ class Reason(str, enum.Enum):
         "dispatch_mode"  # a TorchDispatchMode is active: it would see memgather's own operations (agreed on)
     )
     FUNCTORCH = "functorch"  # a torch.func transform runs, or the input or a slot is its wrapper
+    FORWARD_AD = "forward_ad"  # a forward-AD dual level is open: a slot may carry a tangent, which set_ refuses
     BAD_ARGUMENTS = "bad_arguments"  # arguments all_gather's signature does not take, an async_op torch refuses
     NOT_A_LIST = "not_a_list"  # tuples and other sequences: torch rejects them
     WRONG_LENGTH = "wrong_length"  # list length is not the group size

@@ -54,9 +54,9 @@ def rebind(slots: List[torch.Tensor], parked: bool = False) -> torch.Tensor:
     """Replace the slots' storages by views of one new flat buffer.
 
     The old storages are released before the buffer is allocated, so the two
-    never exist at once. If the allocation (or anything up to the slots' being
-    its views) fails, every slot gets a fresh tensor of its shape back before the
-    exception propagates.
+    never exist at once. If the release, the allocation or anything up to the
+    slots' being its views fails, every slot gets a fresh tensor of its shape
+    back before the exception propagates.
 
     ``parked``: the slots are plain CPU tensors of ``PARKING_KEYS`` (``parkable``), each released by
     pointing it at an empty tensor of its dtype (``.data =``), which leaves its version counter
@@ -67,17 +67,17 @@ def rebind(slots: List[torch.Tensor], parked: bool = False) -> torch.Tensor:
     # A contiguous slot has its shape's strides but on dims of size 1, where any stride is contiguous
     # (empty_like of a channels_last (N, C, 1, 1) keeps (C, 1, C, C)): each keeps its own, as under torch.
     own = [slot.stride() for slot in slots] if 1 in shape else None
-    if parked:
-        park = _parks[dtype]  # (made by parkable(), which the plan asked)
-        assert park is not None
-        for slot in slots:
-            slot.data = park  # drops the only reference to its storage: freed here
-    else:
-        if first.is_cuda:  # before set_(): after it, the new storage would be recorded
-            cuda_memory.release_on_current_stream(slots)
-        for slot in slots:
-            slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
+    if first.is_cuda:  # before set_(): after it, the new storage would be recorded
+        cuda_memory.release_on_current_stream(slots)
     try:
+        if parked:
+            park = _parks[dtype]  # (made by parkable(), which the plan asked)
+            assert park is not None
+            for slot in slots:
+                slot.data = park  # drops the only reference to its storage: freed here
+        else:
+            for slot in slots:
+                slot.set_()  # type: ignore[call-overload]  # drops the only reference to its storage: freed here
         flat = torch.empty(flat_shape(shape, len(slots)), dtype=dtype, device=device)
         total = flat.numel()
         if total * flat.element_size() >= pages.MIN_BYTES:  # (most rebinds are small: no call for them)
@@ -217,7 +217,10 @@ def _reallocate(
                 if own is None
                 else torch.empty_strided(shape, own[index], dtype=dtype, device=device)
             )
-            slot.set_(fresh)  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
+            try:
+                slot.set_(fresh)  # type: ignore[call-overload]  # set_(Tensor) exists; the stubs omit it
+            except Exception:  # noqa: BLE001 - whatever refused set_ (forward AD, on a slot with a tangent)
+                slot.data = fresh  # not dispatched: no slot is left without memory of its own
 
 
 def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
