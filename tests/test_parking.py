@@ -117,6 +117,22 @@ def test_a_slot_that_refuses_set_leaves_no_other_slot_without_memory(parked: boo
 
 
 @needs_keys
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_park_cannot_grow_or_be_written(dtype: torch.dtype) -> None:
+    """Every slot parked, in any call, shares its park's storage while it is parked: code that runs
+    then (a finalizer, a tracer) and reaches a parked slot finds 0 bytes that refuse to grow."""
+    park = slots.parking(dtype)
+    assert park is not None
+    parked = torch.ones(4, dtype=dtype)
+    parked.data = park
+    with pytest.raises(RuntimeError, match="not resizable"):
+        parked.resize_(1 << 20)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        parked.untyped_storage().resize_(1 << 20)
+    assert park.untyped_storage().nbytes() == 0 and park.shape == (0,)
+
+
+@needs_keys
 def test_only_plain_cpu_slots_are_parked() -> None:
     plain = [torch.empty(4), torch.empty(4)]
     assert slots.parkable(plain)

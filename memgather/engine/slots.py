@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from memgather import compat
 from memgather.engine import cuda_memory, pages
@@ -99,18 +100,32 @@ def rebind(slots: List[torch.Tensor], parked: bool = False) -> torch.Tensor:
 # list call does with its one copy into each slot (a counter two slots share, twice), and the counters
 # need no setting back (``mark_written``). ``.data =`` also gives the slot the park's dispatch keys:
 # only slots whose keys are the park's (``PARKING_KEYS``: a plain dense CPU tensor, not an inference
-# tensor) are parked. Parks are memgather's own, 0 bytes, never written, one per dtype.
+# tensor) are parked. Parks are memgather's own, one per dtype, and every slot parked in any call
+# shares its park's storage while it is parked: code that runs in that window (a finalizer of a
+# released storage, a tracer, another thread) could touch it. So a park's storage is one that
+# cannot grow: 0 bytes that torch did not allocate (a DLPack import of an empty tensor), which
+# refuses a resize as memory lent from elsewhere does; nothing can be written into it.
 _parks: Dict[torch.dtype, Optional[torch.Tensor]] = {}
 
 
-def _new_park(dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _make_park(dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """An empty CPU tensor of ``dtype`` over a 0-byte storage that refuses to be resized; None where
+    this torch makes none (a dtype DLPack does not carry)."""
     try:
         with torch.inference_mode(False), compat.outside_modes():  # plain, whatever mode the caller is in
-            park = torch.empty(0, dtype=dtype, device="cpu")
-    except (RuntimeError, TypeError):  # a dtype torch makes no such tensor of
+            park = from_dlpack(to_dlpack(torch.empty(0, dtype=dtype, device="cpu")))
+    except (RuntimeError, TypeError, BufferError, ValueError):
         return None
+    storage = park.untyped_storage()
+    return park if park.dtype == dtype and storage.nbytes() == 0 and not storage.resizable() else None
+
+
+def _new_park(dtype: torch.dtype) -> Optional[torch.Tensor]:
+    park = _make_park(dtype)
     keys = compat.dispatch_keys
-    return park if keys is not None and PARKING_KEYS is not None and keys(park) == PARKING_KEYS else None
+    if park is None or keys is None or PARKING_KEYS is None:
+        return None
+    return park if keys(park) == PARKING_KEYS else None
 
 
 def _parking_keys() -> Optional[Any]:
@@ -122,7 +137,9 @@ def _parking_keys() -> Optional[Any]:
         return None
     try:
         with torch.inference_mode(False), compat.outside_modes():
-            probe, park, buffer = torch.ones(2), torch.empty(0), torch.empty(2)
+            probe, park, buffer = torch.ones(2), _make_park(torch.float32), torch.empty(2)
+            if park is None:
+                return None
             plain, before = keys(probe), probe._version
             probe.data = park
             parked = probe._version == before and keys(probe) == plain and probe.untyped_storage().nbytes() == 0
