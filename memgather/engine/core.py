@@ -168,11 +168,7 @@ def rewire_kept(site: kept.Site, args: Tuple[Any, Any], check: bool, elide: bool
     _count(plan, route)
     if not tensor.requires_grad or not torch.is_grad_enabled():
         return _rebind(route, tensor_list, tensor, None, False, elide, True)[0]
-    torch._C._set_grad_enabled(False)  # as in _rewire: memgather's own copies record no history
-    try:
-        return _rebind(route, tensor_list, tensor, None, False, elide, True)[0]
-    finally:
-        torch._C._set_grad_enabled(True)
+    return _unrecorded(_rebind, route, tensor_list, tensor, None, False, elide, True)[0]
 
 
 def _agree_and_execute(plan: Plan, call: Call, taken: Optional[kept.Taken]) -> Any:
@@ -243,13 +239,7 @@ def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False
     if untracked or not torch.is_grad_enabled():
         work, flat = writer(route, call)
     else:
-        # Under torch the slots never carry autograd history: memgather's own copies of an input
-        # that requires grad must not add any. Set directly rather than through torch.no_grad().
-        torch._C._set_grad_enabled(False)
-        try:
-            work, flat = writer(route, call)
-        finally:
-            torch._C._set_grad_enabled(True)
+        work, flat = _unrecorded(writer, route, call)
     if versions:
         slots.mark_written(tensor_list, versions)
     if call.verify:
@@ -260,6 +250,17 @@ def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False
         verification.verify(_original_all_gather, written, call.tensor, call.group, _COUNTED[plan.strategy])
         counters.record_verified()
     return work
+
+
+def _unrecorded(write: Callable[..., Any], *args: Any) -> Any:
+    """``write(*args)`` with grad mode off: under torch the slots never carry autograd history, so
+    memgather's own copies of an input that requires grad must not add any. Set directly rather than
+    through ``torch.no_grad()``; asked only where the input requires grad and grad mode is on."""
+    torch._C._set_grad_enabled(False)
+    try:
+        return write(*args)
+    finally:
+        torch._C._set_grad_enabled(True)
 
 
 def _count(plan: Plan, route: routes.Route) -> None:
