@@ -179,8 +179,7 @@ def _agree_and_execute(plan: Plan, call: Call, taken: Optional[kept.Taken]) -> A
     if not plan.rewires:
         return to_torch(plan.reason, call.args, call.kwargs)
     if taken is None:
-        # (A parked rebind's counters end as torch's call leaves them: none to read and set back.)
-        return _rewire(plan, call, [] if plan.strategy is Strategy.PARKED_REBIND else slots.versions(call.tensor_list))
+        return _rewire(plan, call, [] if plan.leaves_counters else slots.versions(call.tensor_list))
     return _rewire(plan, call, taken.versions, taken.untracked)
 
 

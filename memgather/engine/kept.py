@@ -255,7 +255,7 @@ def keep(site: Site, call: Call, plan: Plan, facts: GroupFacts) -> None:
         return
     keys = compat.dispatch_keys(tensor)
     slot_keys = compat.dispatch_keys(tensor_list[0])
-    versioned = not tensor_list[0].is_inference() and plan.strategy is not Strategy.PARKED_REBIND
+    versioned = not tensor_list[0].is_inference() and not plan.leaves_counters
     if checked(tensor_list, tensor, tensor.shape, slot_keys, plan.info.rank, versioned) is None:
         site.kept = None  # choose() answered otherwise (IN_SLOTS by fill_in_slots, DIRECT armed...): not kept
         return

@@ -34,6 +34,12 @@ class Plan(NamedTuple):
         """Whether memgather carries the call out itself (else torch's all_gather does)."""
         return self.strategy is not Strategy.FALLBACK
 
+    @property
+    def leaves_counters(self) -> bool:
+        """Whether its writer leaves the slots' version counters as torch's call does (a parked rebind,
+        ``slots.rebind``): none are read to be set back."""
+        return self.strategy is Strategy.PARKED_REBIND
+
 
 # The plans of calls that go to torch at once, built once: most calls are small ones.
 _AT_ONCE: Dict[Reason, Plan] = {reason: Plan(Strategy.FALLBACK, reason) for reason in Reason}
