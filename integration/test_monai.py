@@ -56,10 +56,11 @@ def test_peak_memory_of_uneven_gathers(tmp_path: Path) -> None:
             pad = gathered / 2 if rank else 0
             print(f"monai {path} rank {rank}: {theirs['growth'] / gathered:.3f} x -> "
                   f"{mine['growth'] / gathered:.3f} x gathered ({mine['growth'] / theirs['growth']:.3f})")
-            # Unpatched, the gather's peak (the slots and gloo's temporary) is not always seen whole
-            # on the process's memory: its cat's (the slots and 15/16 g) always is.
+            # The model's unpatched peak, less a tenth of g as test_ignite.py and test_lightning.py
+            # allow: heap the process freed earlier and still holds can take a few percent of a
+            # new buffer without growing RSS (1.936 g was seen where the model says 2 g).
             floor = 2 if path.endswith("(concat=False)") else 1 + 15 / 16
-            assert theirs["growth"] >= 0.97 * (pad + floor * gathered), (rank, theirs)
+            assert theirs["growth"] >= pad + (floor - 0.1) * gathered, (rank, theirs)
             if path.endswith("(concat=False)"):
                 assert mine["growth"] <= pad + 1.05 * gathered, (rank, mine)
             else:
