@@ -25,6 +25,8 @@ not to rewrite the module, so it does not warn.
 from __future__ import annotations
 
 import importlib
+import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -64,6 +66,30 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+def _watch_cuda(_torch: Any = None) -> None:
+    """Install the hooks that see CUDA graphs captured and tensors lent (``engine.cuda_memory``).
+
+    memgather may rebind a CUDA slot only while no graph captured in this process can replay
+    into it, and a capture made before the hooks exist is never seen: so they are installed as
+    memgather is imported, where torch already is, else as torch's own import ends. This
+    imports nothing that torch does not already need. Should the engine not import here (one
+    of its modules half imported on this thread), its own import installs them, counting any
+    CUDA use before then as a graph it could not see.
+    """
+    try:
+        importlib.import_module("memgather.engine.cuda_memory")
+    except Exception:  # never fail an import over it: the engine's own import covers the gap
+        logging.getLogger("memgather").debug("CUDA graph hooks deferred to the engine's import", exc_info=True)
+
+
+if "torch" in sys.modules:
+    _watch_cuda()
+else:
+    import wrapt
+
+    wrapt.register_post_import_hook(_watch_cuda, "torch")
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; ``import x as x`` marks a re-export

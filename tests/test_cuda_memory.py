@@ -9,6 +9,10 @@ tests/test_cuda.py.
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 from typing import Optional
 
 import pytest
@@ -123,3 +127,38 @@ def test_a_loan_is_noted_and_forgotten_with_its_tensor() -> None:
     assert key in cuda_memory._lent
     del tensor
     assert key not in cuda_memory._lent
+
+
+_IMPORTS = """
+import sys
+{imports}
+hook = torch.cuda.CUDAGraph.__dict__["capture_begin"]
+from memgather.engine import cuda_memory
+print(json.dumps([hasattr(hook, "_memgather_hook"), "memgather.engine.core" in sys.modules, cuda_memory.graphs_alive()]))
+"""
+
+
+def _after(imports: str) -> list:
+    code = "import json\n" + _IMPORTS.format(imports=imports)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEMGATHER": "0"})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("imports", ["import torch\nimport memgather", "import memgather\nimport torch"])
+def test_import_memgather_installs_the_hooks_before_any_capture(imports: str) -> None:
+    """A capture made before the hooks exist is never seen: ``import memgather`` installs them, at
+    once where torch is imported, else when torch's import ends, without the rest of the engine."""
+    hooked, engine_imported, alive = _after(imports)
+    assert hooked and not engine_imported and not alive
+
+
+def test_cuda_in_use_before_the_hooks_counts_as_a_graph_alive() -> None:
+    """Where CUDA was initialised before memgather was imported, a graph may have been captured
+    unseen: one is counted alive for the rest of the process, so no CUDA slot is rebound."""
+    _, _, alive = _after("import torch\ntorch.cuda.is_initialized = lambda: True\nimport memgather")
+    assert alive
+    facts = SlotFacts(True, "native", False, 0, cuda_memory.graphs_alive(), False)
+    assert cuda_memory.refusal(facts) is None  # this process: CUDA was not in use at the import
+    assert cuda_memory.refusal(facts._replace(graphs_captured=True)) is Reason.CUDA_GRAPHS

@@ -23,7 +23,11 @@ decided by ``refusal`` from those facts alone:
   ``make_graphed_callables`` and ``torch.compile``'s CUDA graphs all go through;
   a graph is forgotten when it is freed or ``reset``), no CUDA slot is rebound:
   any of them may be memory a graph replays. Nothing is freed or allocated while
-  the current stream captures either.
+  the current stream captures either. A capture before the hooks are installed
+  goes unseen, so ``import memgather`` installs them (at once where torch is
+  imported, else when torch's import ends); where CUDA was in use before they
+  were, a graph captured then cannot be ruled out, and one is counted alive for
+  the rest of the process.
 - **Memory lent out.** ``__cuda_array_interface__`` (how CuPy and Numba borrow a
   tensor) keeps only a Python reference to the tensor, which no count shows:
   ``watch`` notes each tensor that lends itself so, and such a slot stays where
@@ -129,7 +133,7 @@ _HOOKED = "_memgather_hook"
 
 def graphs_alive() -> bool:
     """Whether a CUDA graph captured in this process may still replay."""
-    return bool(_graphs)
+    return _unseen or bool(_graphs)
 
 
 def watch() -> None:
@@ -209,4 +213,8 @@ def _noting_loan(fget: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor]
     return cuda_array_interface
 
 
+# CUDA in use before the hooks were installed: a graph captured (or a tensor lent) in that time went
+# unseen, and none can be ruled out for the rest of the process. Read once, as this module is first
+# imported, before ``watch``.
+_unseen: bool = torch.cuda.is_initialized()
 watch()

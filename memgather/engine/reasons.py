@@ -31,7 +31,9 @@ class Reason(str, enum.Enum):
     COMPILING = "compiling"  # Dynamo maps all_gather to functional collectives itself
     COALESCING = "coalescing"  # inside _coalescing_manager, torch queues the op
     GRAPH_CAPTURE = "graph_capture"  # CUDA graph capture: no host sync, no allocation, no free may happen
-    CUDA_GRAPHS = "cuda_graphs"  # a CUDA graph was captured in this process: any CUDA slot may be one it replays
+    # a CUDA graph was captured in this process (or CUDA was in use before memgather could watch for
+    # one): any CUDA slot may be memory it replays
+    CUDA_GRAPHS = "cuda_graphs"
     NO_PRIMITIVE = "no_primitive"  # this torch has no single-tensor all-gather
     BACKEND = "backend"  # backend/device pair without a route known to be safe
     NCCL2 = "nccl2"  # ProcessGroupNCCL2 and no cat elided: torch fills the slots at the floor itself
