@@ -88,6 +88,7 @@ def test_a_rebind_that_fails_after_the_release_gives_every_slot_memory_of_its_ow
     monkeypatch.setattr(slots.pages, "advise", failing)
     tensor_list = [torch.ones(2, 3, 1, 1).contiguous(memory_format=torch.channels_last) for _ in range(3)]
     strides = [s.stride() for s in tensor_list]
+    assert slots.parkable(tensor_list)  # as the plan asks before a parked rebind: it makes the park
     with pytest.raises(RuntimeError, match="advice failed"):
         slots.rebind(tensor_list, parked=parked)
     assert [s.stride() for s in tensor_list] == strides
@@ -277,7 +278,13 @@ print(json.dumps({"want": want, "got": got}))
 def test_a_loops_kept_calls_leave_what_torchs_calls_leave() -> None:
     result = json.loads(run_on_fake(textwrap.dedent(_LOOP)).splitlines()[-1])
     for name, (seen, handled, strategies) in result["got"].items():
-        assert seen == result["want"][name], name
+        want = result["want"][name]
+        if name == "input_requires_grad" and want[0][0][1]:
+            # Where the fake backend fills each slot with copy_ under autograd (torch 2.11's
+            # does), torch's slots require grad there; a real backend writes them from C++,
+            # which autograd never sees. memgather's must be what a real backend leaves.
+            want = [[[*slot[:1], False, True, *slot[3:]] for slot in call[:-1]] + call[-1:] for call in want]
+        assert seen == want, name
         assert strategies == {"rebind": 3}, (name, strategies)
         assert handled == _HANDLED.get(name, 1), (name, handled)
 
