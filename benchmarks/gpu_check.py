@@ -10,12 +10,14 @@ Steps, each bounded in time, each recorded in one JSON summary whatever happens:
 1. ``memgather selftest`` on a world of 1 on NCCL (results identical to torch's);
 2. ``memgather bench --backend nccl --shape seed --world-size 1`` with
    ``MEMGATHER_NCCL_MIN_BYTES=0``: allocated and reserved peaks and times per pattern;
-3. accelerate 0.23.0's ``gather`` of a CUDA tensor under ``MEMGATHER=1`` against the same
-   job unpatched (accelerate 0.23.0 from ``--wheels DIR`` when the installed one is another);
+3. accelerate 0.23.0's ``gather`` of a CUDA tensor on two ranks under ``MEMGATHER=1``
+   against the same job unpatched (accelerate 0.23.0 from ``--wheels DIR`` when the installed one is another);
 4. ``tests/test_cuda.py`` and the CUDA fallback tests of ``tests/test_fallbacks.py``;
 5. two ranks on the one GPU, each with its own ``NCCL_HOSTID``, fresh slots gathered
    under memgather against torch (skipped where NCCL refuses two ranks on one device);
-6. the crossover sweep (``--sweep`` runs it alone): on legacy NCCL, world 1, for 1 / 4 /
+6. memgather's own host time per rewired 4 KiB call (two ranks, fresh slots, listed and
+   cat), against torch's list call in the same run;
+7. the crossover sweep (``--sweep`` runs it alone): on legacy NCCL, world 1, for 1 / 4 /
    16 / 64 / 256 / 784 MiB per rank, torch's list ``all_gather`` against
    ``memgather.all_gather`` (every call rewired: ``MEMGATHER_NCCL_MIN_BYTES=0``), for
    fresh slots + ``torch.cat`` (memgather's cat elided) and for a kept list, each
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -43,31 +46,35 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The accelerate job: its own gather of a CUDA tensor, the peak and the result's checksum.
+# The accelerate job, one rank of two sharing the GPU: its own gather of a CUDA tensor, the
+# peak and a digest of the result's bytes.
 _ACCELERATE_JOB = """
-import json, os, sys, torch
+import hashlib, json, os, sys, torch
 from accelerate import PartialState
 from accelerate.utils import gather
 import accelerate
 state = PartialState()
 t = torch.arange(16 * 224 * 224 * 16, dtype=torch.float32, device=state.device).view(16, 224, 224, 16)
+t += state.process_index
 gather(t)  # warm-up
 torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
 before = torch.cuda.memory_allocated()
 out = gather(t)
 torch.cuda.synchronize()
-row = {"accelerate": accelerate.__version__, "peak_above_input": torch.cuda.max_memory_allocated() - before,
+row = {"accelerate": accelerate.__version__, "rank": state.process_index,
+       "peak_above_input": torch.cuda.max_memory_allocated() - before,
        "reserved": torch.cuda.max_memory_reserved(), "shape": list(out.shape),
-       "checksum": float(out.double().sum()), "bytes_hash": hash(out.cpu().numpy().tobytes())}
+       "digest": hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()}
 if "memgather" in sys.modules:
     import memgather
     stats = memgather.stats()
     row["memgather"] = {"strategies": dict(stats.by_strategy), "fallbacks": dict(stats.fallbacks),
                         "elided": stats.elided}
+torch.distributed.destroy_process_group()
 print(json.dumps(row))
 """
 
@@ -94,6 +101,73 @@ dist.destroy_process_group()
 """
 
 
+# memgather's own host time per call on CUDA, one rank of two sharing the GPU: 4 KiB per
+# rank, every call rewired (threshold 0), fresh slots each call; torch's list call timed in
+# the same run, the two taking turns. Only the queueing of the calls is timed (the GPU is
+# waited for between rounds, outside the timer): the host's share, which is memgather's,
+# not the link's (two ranks on one GPU talk through NCCL's network transport).
+_OVERHEAD = """
+import json, os, statistics, time, torch, torch.distributed as dist
+import memgather
+torch.cuda.set_device(0)
+dist.init_process_group("nccl")
+world, rank = dist.get_world_size(), dist.get_rank()
+t = torch.ones(1024, device="cuda") + rank
+def torch_list():
+    slots = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(slots, t)
+def memgather_list():
+    slots = [torch.empty_like(t) for _ in range(world)]
+    memgather.all_gather(slots, t)
+def torch_cat():
+    slots = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(slots, t)
+    return torch.cat(slots)
+def memgather_cat():
+    slots = [torch.empty_like(t) for _ in range(world)]
+    memgather.all_gather(slots, t, elide=True)
+    return torch.cat(slots)
+calls, rounds = 150, 9
+def timed(call):
+    torch.cuda.synchronize()
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(calls):
+        call()
+    queued = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return queued / calls * 1e6
+rows = {"rank": rank, "world": world}
+for name, (mine, theirs) in {"list": (memgather_list, torch_list), "cat": (memgather_cat, torch_cat)}.items():
+    for call in (mine, theirs):
+        for _ in range(50):
+            call()
+    memgather.reset_stats()
+    times = {"torch": [], "memgather": []}
+    for turn in range(rounds):
+        order = (("torch", theirs), ("memgather", mine))
+        for who, call in order if turn % 2 == 0 else order[::-1]:
+            times[who].append(timed(call))
+    stats = memgather.stats()
+    torch_us, ours_us = statistics.median(times["torch"]), statistics.median(times["memgather"])
+    rows[name] = {"torch_us": round(torch_us, 2), "memgather_us": round(ours_us, 2),
+                  "own_us": round(ours_us - torch_us, 2), "own_ratio": round((ours_us - torch_us) / torch_us, 2),
+                  "strategies": dict(stats.by_strategy), "fallbacks": dict(stats.fallbacks), "elided": stats.elided}
+    print(name, rows[name], flush=True)
+dist.destroy_process_group()
+print(json.dumps(rows))
+"""
+
+
+def overhead_step() -> Dict[str, Any]:
+    """memgather's own host time per rewired 4 KiB call on NCCL, two ranks, against torch's list call."""
+    script = os.path.join(tempfile.mkdtemp(prefix="overhead-"), "job.py")
+    with open(script, "w") as out:
+        out.write(textwrap.dedent(_OVERHEAD))
+    env = _env(MEMGATHER_NCCL_MIN_BYTES="0", TORCH_DIST_USE_NCCL2="0")
+    return _two_ranks("overhead per call (NCCL, two ranks, 4 KiB)", [sys.executable, script], env, 120)
+
+
 def _env(**extra: str) -> Dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -102,8 +176,15 @@ def _env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def _step(name: str, command: List[str], timeout_s: float, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """Run ``command``; its outcome, time and output tail (the last line parsed when it is JSON)."""
+def _step(
+    name: str,
+    command: List[str],
+    timeout_s: float,
+    env: Optional[Dict[str, str]] = None,
+    keep_output: bool = False,
+) -> Dict[str, Any]:
+    """Run ``command``; its outcome, time and output tail (the last line parsed when it is JSON),
+    and with ``keep_output`` its whole standard output."""
     started = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env or _env(), cwd=ROOT)
@@ -116,6 +197,8 @@ def _step(name: str, command: List[str], timeout_s: float, env: Optional[Dict[st
         "seconds": round(time.monotonic() - started, 1),
         "tail": (done.stdout[-4000:] + "\n" + done.stderr[-2000:]).strip(),
     }
+    if keep_output:
+        row["output"] = done.stdout
     lines = done.stdout.strip().splitlines()
     if lines:
         try:
@@ -162,7 +245,53 @@ def _accelerate_path(wheels: Optional[str]) -> Optional[str]:
     return target
 
 
+def _two_ranks(name: str, command: List[str], env: Dict[str, str], timeout_s: float) -> Dict[str, Any]:
+    """``command`` as ranks 0 and 1 of a world of 2 on GPU 0, each its own ``NCCL_HOSTID``
+    (so NCCL connects them as two hosts would be); a step with each rank's last JSON line."""
+    port = str(29500 + (os.getpid() % 500))
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "NCCL_HOSTID": f"memgather-check-{rank}",
+            },
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(5.0, timeout_s - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            return {"step": name, "status": "timed out", "seconds": round(time.monotonic() - started, 1)}
+        outputs.append((proc.returncode, out, err))
+    row: Dict[str, Any] = {"step": name, "seconds": round(time.monotonic() - started, 1)}
+    if any(code != 0 for code, _, _ in outputs):
+        tails = [err[-1500:] for _, _, err in outputs]
+        refused = any("Duplicate GPU" in tail for tail in tails)
+        row.update(status="skipped: NCCL refused two ranks on one GPU" if refused else "failed", tails=tails)
+    else:
+        row.update(status="passed", ranks=[json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs])
+    print(f"gpu_check: {name}: {row['status']} ({row['seconds']} s)", flush=True)
+    return row
+
+
 def accelerate_step(wheels: Optional[str]) -> Dict[str, Any]:
+    """accelerate 0.23.0's gather on two ranks, unpatched and under MEMGATHER=1: the results'
+    digests must match, and the peaks are the figures."""
     path = _accelerate_path(wheels)
     if path is None:
         return {
@@ -174,22 +303,27 @@ def accelerate_step(wheels: Optional[str]) -> Dict[str, Any]:
     with open(job, "w") as out:
         out.write(textwrap.dedent(_ACCELERATE_JOB))
     site = _site_with_pth()
-    launch = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
-    if path:
-        launch["PYTHONPATH"] = path + os.pathsep + ROOT
+    launch = {"PYTHONPATH": path + os.pathsep + ROOT} if path else {}
     rows = {}
     for mode, extra in (("torch", {}), ("memgather", {"MEMGATHER": "1", "MEMGATHER_NCCL_MIN_BYTES": "0"})):
-        rows[mode] = _step(f"accelerate gather, {mode}", _python_with_site(site, job), 120, _env(**launch, **extra))
-    torchs, ours = rows["torch"].get("result"), rows["memgather"].get("result")
-    same = bool(torchs and ours and torchs["bytes_hash"] == ours["bytes_hash"] and torchs["shape"] == ours["shape"])
+        rows[mode] = _two_ranks(
+            f"accelerate gather, {mode}", _python_with_site(site, job), _env(**launch, **extra), 120
+        )
+    torchs, ours = rows["torch"].get("ranks"), rows["memgather"].get("ranks")
+    same = bool(
+        torchs
+        and ours
+        and all(a["digest"] == b["digest"] and a["shape"] == b["shape"] for a, b in zip(torchs, ours))
+        and len({rank["digest"] for rank in torchs}) == 1
+    )
     status = "passed" if same else "failed: results differ or a run failed"
     figures = {}
     if torchs and ours:
         figures = {
-            "peak_torch": torchs["peak_above_input"],
-            "peak_memgather": ours["peak_above_input"],
-            "ratio": round(ours["peak_above_input"] / max(torchs["peak_above_input"], 1), 3),
-            "memgather": ours.get("memgather"),
+            "peak_torch": [rank["peak_above_input"] for rank in torchs],
+            "peak_memgather": [rank["peak_above_input"] for rank in ours],
+            "ratio": [round(b["peak_above_input"] / max(a["peak_above_input"], 1), 3) for a, b in zip(torchs, ours)],
+            "memgather": [rank.get("memgather") for rank in ours],
         }
     return {"step": "accelerate 0.23.0 gather", "status": status, "figures": figures, "runs": rows}
 
@@ -429,11 +563,62 @@ def sweep_step() -> Dict[str, Any]:
     return row
 
 
+def selftest_step(args: argparse.Namespace) -> Dict[str, Any]:
+    return _step("selftest (NCCL, world 1)", [sys.executable, "-m", "memgather", "selftest", "--backend", "nccl"], 150)
+
+
+def bench_step(args: argparse.Namespace) -> Dict[str, Any]:
+    bench_json = os.path.join(tempfile.mkdtemp(prefix="bench-"), "bench.json")
+    command = [sys.executable, "-m", "memgather", "bench", "--backend", "nccl", "--shape", "seed"]
+    command += ["--world-size", "1", "--repeat", "2", "--rounds", "1", "--json", bench_json]
+    bench = _step("bench --shape seed (NCCL, world 1)", command, 240, _env(MEMGATHER_NCCL_MIN_BYTES="0"))
+    if os.path.exists(bench_json):
+        with open(bench_json) as rows:
+            bench["rows"] = json.load(rows)
+    return bench
+
+
+def tests_step(args: argparse.Namespace) -> Dict[str, Any]:
+    """The CUDA tests, their whole output kept in the summary ("output")."""
+    selected = "cuda or graph_capture or input_not_contiguous or nccl2 or slot_written"
+    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider"]
+    command += ["tests/test_cuda.py", "tests/test_fallbacks.py", "-k", selected]
+    if importlib.util.find_spec("xdist") is not None:
+        command += ["-n", "4"]  # each test is two processes that mostly wait on NCCL's set-up
+    return _step("CUDA tests", command, 300, keep_output=True)
+
+
+STEPS: Dict[str, Callable[[argparse.Namespace], Dict[str, Any]]] = {
+    "selftest": selftest_step,
+    "bench": bench_step,
+    "accelerate": lambda args: accelerate_step(args.wheels),
+    "tests": tests_step,
+    "two-ranks": lambda args: two_ranks_step(),
+    "overhead": lambda args: overhead_step(),
+    "sweep": lambda args: sweep_step(),
+}
+
+
+def parse_steps(text: str) -> List[str]:
+    """Step names from 'tests,overhead', each one of ``STEPS``."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in STEPS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"steps are among {', '.join(STEPS)}: {text!r}")
+    return names
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wheels", help="a directory of wheels to take accelerate 0.23.0 from")
     parser.add_argument("--out", help="the summary (default gpu_check.json, with --sweep gpu_sweep.json)")
-    parser.add_argument("--sweep", action="store_true", help="run only the crossover sweep (step 6)")
+    parser.add_argument("--sweep", action="store_true", help="run only the crossover sweep (step 7)")
+    parser.add_argument(
+        "--only",
+        type=parse_steps,
+        default=list(STEPS),
+        help=f"the steps to run, comma-separated, among {', '.join(STEPS)} (default: all)",
+    )
     parser.add_argument(
         "--sizes",
         type=parse_sizes,
@@ -459,56 +644,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         summary["steps"].append({"step": "all", "status": "skipped: no CUDA device"})
     else:
-        module = [sys.executable, "-m", "memgather"]
-        bench_json = os.path.join(tempfile.mkdtemp(prefix="bench-"), "bench.json")
-        summary["steps"].append(_step("selftest (NCCL, world 1)", module + ["selftest", "--backend", "nccl"], 150))
-        bench = _step(
-            "bench --shape seed (NCCL, world 1)",
-            module
-            + [
-                "bench",
-                "--backend",
-                "nccl",
-                "--shape",
-                "seed",
-                "--world-size",
-                "1",
-                "--repeat",
-                "2",
-                "--rounds",
-                "1",
-                "--json",
-                bench_json,
-            ],
-            240,
-            _env(MEMGATHER_NCCL_MIN_BYTES="0"),
-        )
-        if os.path.exists(bench_json):
-            with open(bench_json) as rows:
-                bench["rows"] = json.load(rows)
-        summary["steps"].append(bench)
-        summary["steps"].append(accelerate_step(args.wheels))
-        cuda_tests = "cuda or graph_capture or input_not_contiguous or nccl2 or slot_written"
-        summary["steps"].append(
-            _step(
-                "CUDA tests",
-                [
-                    sys.executable,
-                    "-m",
-                    "pytest",
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
-                    "tests/test_cuda.py",
-                    "tests/test_fallbacks.py",
-                    "-k",
-                    cuda_tests,
-                ],
-                240,
-            )
-        )
-        summary["steps"].append(two_ranks_step())
-        summary["steps"].append(sweep_step())
+        for name, step in STEPS.items():
+            if name in args.only:
+                summary["steps"].append(step(args))
     with open(out, "w") as summary_file:
         json.dump(summary, summary_file, indent=2)
     print(f"gpu_check: summary in {out}")

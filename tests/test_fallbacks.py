@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import memgather
 from memgather import Reason, compat
+from tests import nccl_ranks
 from tests.conftest import EAGER, run_on_fake, unwrap
 from tests.ranks import FunctionTensor, as_bytes, differential, filled, storage_of
 from tests.releases import EMPTY_KILLS_GLOO, gloo_gathers_empty_tensors, requires_fake_backend
@@ -784,17 +785,15 @@ def _cannot_prove_exclusive(pools: Any) -> Counter:
 
 
 def _on_nccl(reason: str, backend: str, outcome: str) -> Counter:
-    """``outcome(gather)`` (script text) under torch, then under memgather, in a fresh process that is a
-    world of 1 on ``backend`` with a CUDA device; both must observe the same. Skips without CUDA:
-    ``reason`` is reachable only there."""
-    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+    """``outcome(gather)`` (script text) under torch, then under memgather, on two ranks of
+    ``backend`` sharing a CUDA device (tests/nccl_ranks.py), every call over the NCCL threshold;
+    on every rank both must observe the same. Rank 0's fallbacks. Skips without CUDA: ``reason``
+    is reachable only there."""
+    if not nccl_ranks.available():
         pytest.skip(f"{reason} is reachable only on NCCL with a CUDA device")
-    got = _run_script("".join(textwrap.dedent(part) for part in (
-        f"""
-        import tempfile
+    ranks = nccl_ranks.run("".join(textwrap.dedent(part) for part in (
+        """
         import memgather
-        torch.cuda.set_device(0)
-        dist.init_process_group("{backend}", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
         """,
         outcome,
         """
@@ -803,24 +802,24 @@ def _on_nccl(reason: str, backend: str, outcome: str) -> Counter:
         got = outcome(memgather.all_gather)
         print(json.dumps({"fallbacks": dict(memgather.stats().fallbacks), "same": got == want}))
         """,
-    )))
-    assert got["same"], got
-    return Counter(got["fallbacks"])
+    )), backend, env={"MEMGATHER_NCCL_MIN_BYTES": "0"})
+    assert all(got["same"] for got in ranks), ranks
+    return Counter(ranks[0]["fallbacks"])
 
 
 def _input_not_contiguous(pools: Any) -> Counter:
-    """A transposed input on NCCL (the route that reads the input as raw memory), world 1.
+    """A transposed input on NCCL (the route that reads the input as raw memory), two ranks.
     Only NCCL's route requires a contiguous input; test_routes.py checks the route table on CPU."""
     return _on_nccl("input_not_contiguous", "nccl", """
         def outcome(gather):
-            given = torch.arange(6.0, device="cuda").view(2, 3).t()  # a transposed view: not contiguous
-            slots = [torch.zeros(3, 2, device="cuda")]
+            given = (torch.arange(6.0, device="cuda") + RANK).view(2, 3).t()  # a transposed view: not contiguous
+            slots = [torch.zeros(3, 2, device="cuda") for _ in range(WORLD)]
             try:
                 gather(slots, given)
             except Exception as error:  # torch's NCCL may refuse a non-contiguous input: so must memgather
                 return ["raise", type(error).__name__]
             torch.cuda.synchronize()
-            return ["ok", slots[0].tolist()]
+            return ["ok", [slot.tolist() for slot in slots]]
         """)
 
 
@@ -833,9 +832,9 @@ def _nccl2(pools: Any) -> Counter:
         def outcome(gather):
             results = []
             for _ in range(2):
-                slots = list(torch.zeros(1, 6, device="cuda").unbind(0))  # views of one buffer
-                gather(slots, torch.arange(6.0, device="cuda"))
-                results.append(slots[0].tolist())
+                slots = list(torch.zeros(WORLD, 6, device="cuda").unbind(0))  # views of one buffer
+                gather(slots, torch.arange(6.0, device="cuda") + RANK)
+                results.append([slot.tolist() for slot in slots])
             return results
         """)
     assert counted == Counter({"nccl2": 2}), counted
@@ -880,16 +879,12 @@ def _slot_written(pools: Any) -> Counter:
     """A CUDA slot something wrote since it was made (a graph's static tensor could be one): left to
     torch, whose call writes where the slot lies. Only CUDA asks; tests/test_cuda_memory.py decides it."""
     return _on_nccl("slot_written", "nccl", """
-        import os
-        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"
-        from memgather.engine import core
-        core.configure()  # the settings again, with the threshold just set
         def outcome(gather):
-            slots = [torch.empty(6, device="cuda").fill_(-1.0)]
-            where = slots[0].data_ptr()
-            gather(slots, torch.arange(6.0, device="cuda"))
+            slots = [torch.empty(6, device="cuda").fill_(-1.0) for _ in range(WORLD)]
+            where = [slot.data_ptr() for slot in slots]
+            gather(slots, torch.arange(6.0, device="cuda") + RANK)
             torch.cuda.synchronize()
-            return [slots[0].tolist(), slots[0].data_ptr() == where, slots[0]._version]
+            return [[slot.tolist(), slot.data_ptr() == at, slot._version] for slot, at in zip(slots, where)]
         """)
 
 
@@ -897,21 +892,17 @@ def _cuda_graphs(pools: Any) -> Counter:
     """Fresh CUDA slots in a process that captured a CUDA graph: left to torch (a graph's static
     tensors may be fresh too, and a replay would write into a freed block)."""
     return _on_nccl("cuda_graphs", "nccl", """
-        from memgather.engine import core
-        import os
-        os.environ["MEMGATHER_NCCL_MIN_BYTES"] = "0"
-        core.configure()
         static = torch.ones(4, device="cuda")
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static.mul_(2)
         def outcome(gather):
-            slots = [torch.empty(6, device="cuda")]
-            where = slots[0].data_ptr()
-            gather(slots, torch.arange(6.0, device="cuda"))
+            slots = [torch.empty(6, device="cuda") for _ in range(WORLD)]
+            where = [slot.data_ptr() for slot in slots]
+            gather(slots, torch.arange(6.0, device="cuda") + RANK)
             torch.cuda.synchronize()
-            return [slots[0].tolist(), slots[0].data_ptr() == where]
+            return [[slot.tolist(), slot.data_ptr() == at] for slot, at in zip(slots, where)]
         """)
 
 
@@ -921,16 +912,16 @@ def _graph_capture(pools: Any) -> Counter:
     return _on_nccl("graph_capture", "nccl", """
         def outcome(gather):
             given = torch.zeros(1 << 20, device="cuda")
-            slots = [torch.empty_like(given)]
+            slots = [torch.empty_like(given) for _ in range(WORLD)]
             gather(slots, given)  # warm-up outside capture, as CUDA graphs require of NCCL
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 gather(slots, given)
-            given.fill_(7.0)
+            given.fill_(7.0 + RANK)
             graph.replay()
             torch.cuda.synchronize()
-            return slots[0].sum().item()
+            return [slot.sum().item() for slot in slots]
         """)
 
 
