@@ -81,11 +81,11 @@ print(json.dumps(row))
 # Two ranks on one GPU: fresh slots + cat under torch, then under memgather (elided), compared.
 _TWO_RANKS = """
 import json, os, sys, torch, torch.distributed as dist
+import memgather  # before CUDA is first used
 rank = int(sys.argv[1])
 os.environ["NCCL_HOSTID"] = f"memgather-check-{rank}"
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
-import memgather
 t = torch.arange(1 << 20, dtype=torch.float32, device="cuda") + rank
 slots = [torch.empty_like(t) for _ in range(2)]
 dist.all_gather(slots, t)

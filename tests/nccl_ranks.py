@@ -34,6 +34,7 @@ import json, os, sys, tempfile, warnings
 warnings.simplefilter("ignore")
 RANK, WORLD, STORE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 import torch, torch.distributed as dist
+import memgather  # before CUDA is first used, as memgather asks: else it counts a CUDA graph alive
 if torch.cuda.is_available():  # (a CPU machine runs the launcher itself on gloo)
     torch.cuda.set_device(0)
 dist.init_process_group(BACKEND, init_method="file://" + STORE, rank=RANK, world_size=WORLD)

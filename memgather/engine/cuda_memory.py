@@ -48,6 +48,7 @@ without ``record_stream``, as for every tensor a program drops.
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from functools import lru_cache
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
@@ -217,4 +218,10 @@ def _noting_loan(fget: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor]
 # unseen, and none can be ruled out for the rest of the process. Read once, as this module is first
 # imported, before ``watch``.
 _unseen: bool = torch.cuda.is_initialized()
+if _unseen:
+    logging.getLogger("memgather").warning(
+        "CUDA was in use before memgather was imported: a CUDA graph captured then cannot be ruled out, so "
+        "no CUDA slot is rebound in this process (reason cuda_graphs). Import memgather before CUDA is "
+        "first used, or start with MEMGATHER=1."
+    )
 watch()
