@@ -49,6 +49,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # ``python benchmarks/gpu_check.py``: the repository root, for benchmarks.processes
+    sys.path.insert(0, ROOT)
+
+from benchmarks import processes  # noqa: E402 - after the root is on the path
 
 # The accelerate job, one rank of two sharing the GPU: its own gather of a CUDA tensor, the
 # peak and a digest of the result's bytes.
@@ -82,10 +86,9 @@ print(json.dumps(row))
 _TWO_RANKS = """
 import json, os, sys, torch, torch.distributed as dist
 import memgather  # before CUDA is first used
-rank = int(sys.argv[1])
-os.environ["NCCL_HOSTID"] = f"memgather-check-{rank}"
 torch.cuda.set_device(0)
-dist.init_process_group("nccl", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+dist.init_process_group("nccl")  # RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from _two_ranks
+rank = dist.get_rank()
 t = torch.arange(1 << 20, dtype=torch.float32, device="cuda") + rank
 slots = [torch.empty_like(t) for _ in range(2)]
 dist.all_gather(slots, t)
@@ -249,42 +252,22 @@ def _two_ranks(name: str, command: List[str], env: Dict[str, str], timeout_s: fl
     """``command`` as ranks 0 and 1 of a world of 2 on GPU 0, each its own ``NCCL_HOSTID``
     (so NCCL connects them as two hosts would be); a step with each rank's last JSON line."""
     port = str(29500 + (os.getpid() % 500))
+    launch = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    envs = [{**env, **launch, "RANK": str(rank), "NCCL_HOSTID": f"memgather-check-{rank}"} for rank in range(2)]
     started = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={
-                **env,
-                "RANK": str(rank),
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "NCCL_HOSTID": f"memgather-check-{rank}",
-            },
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(5.0, timeout_s - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            return {"step": name, "status": "timed out", "seconds": round(time.monotonic() - started, 1)}
-        outputs.append((proc.returncode, out, err))
+    ends = processes.run([command, command], envs, timeout_s, cwd=ROOT)
     row: Dict[str, Any] = {"step": name, "seconds": round(time.monotonic() - started, 1)}
-    if any(code != 0 for code, _, _ in outputs):
-        tails = [err[-1500:] for _, _, err in outputs]
-        refused = any("Duplicate GPU" in tail for tail in tails)
-        row.update(status="skipped: NCCL refused two ranks on one GPU" if refused else "failed", tails=tails)
+    if any(end.returncode != 0 for end in ends):
+        tails = [end.stderr[-1500:] for end in ends]
+        if any("Duplicate GPU" in tail for tail in tails):
+            status = "skipped: NCCL refused two ranks on one GPU"
+        elif all(end.returncode in (None, 0) for end in ends):
+            status = f"timed out after {timeout_s} s"
+        else:
+            status = "failed"
+        row.update(status=status, tails=tails)
     else:
-        row.update(status="passed", ranks=[json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs])
+        row.update(status="passed", ranks=[json.loads(end.stdout.strip().splitlines()[-1]) for end in ends])
     print(f"gpu_check: {name}: {row['status']} ({row['seconds']} s)", flush=True)
     return row
 
@@ -332,43 +315,10 @@ def two_ranks_step() -> Dict[str, Any]:
     script = os.path.join(tempfile.mkdtemp(prefix="two-ranks-"), "job.py")
     with open(script, "w") as out:
         out.write(textwrap.dedent(_TWO_RANKS))
-    store = tempfile.mktemp(prefix="memgather-store-")
-    env = _env(MEMGATHER_NCCL_MIN_BYTES="0")
-    started = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), store],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(5.0, 90 - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            return {
-                "step": "two ranks on one GPU",
-                "status": "skipped: NCCL did not finish within 90 s (two ranks on one device)",
-            }
-        outputs.append((proc.returncode, out, err))
-    if any(code != 0 for code, _, _ in outputs):
-        tails = [err[-1500:] for _, _, err in outputs]
-        refused = any("Duplicate GPU" in tail for tail in tails)
-        return {
-            "step": "two ranks on one GPU",
-            "status": "skipped: NCCL refused two ranks on one GPU" if refused else "failed",
-            "tails": tails,
-        }
-    rows = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs]
-    ok = all(row["equal"] for row in rows)
-    return {"step": "two ranks on one GPU", "status": "passed" if ok else "failed: results differ", "ranks": rows}
+    row = _two_ranks("two ranks on one GPU", [sys.executable, script], _env(MEMGATHER_NCCL_MIN_BYTES="0"), 90)
+    if row["status"] == "passed" and not all(rank["equal"] for rank in row["ranks"]):
+        row["status"] = "failed: results differ"
+    return row
 
 
 # The crossover sweep: sizes per rank (MiB), the caller patterns, the measured calls.
@@ -544,13 +494,13 @@ def sweep(sizes_mib: List[int], calls: int = SWEEP_CALLS, rounds: int = SWEEP_RO
     return step
 
 
-def sweep_step() -> Dict[str, Any]:
+def sweep_step(sizes_mib: List[int]) -> Dict[str, Any]:
     """The sweep in a process of its own (its NCCL group, its settings), bounded in time."""
     out = os.path.join(tempfile.mkdtemp(prefix="sweep-"), "sweep.json")
     env = _env(MEMGATHER_NCCL_MIN_BYTES="0", TORCH_DIST_USE_NCCL2="0")
     row = _step(
         "crossover sweep (legacy NCCL, world 1)",
-        [sys.executable, __file__, "--sweep", "--out", out],
+        [sys.executable, __file__, "--sweep", "--sizes", ",".join(map(str, sizes_mib)), "--out", out],
         SWEEP_TIMEOUT_S,
         env,
     )
@@ -595,7 +545,7 @@ STEPS: Dict[str, Callable[[argparse.Namespace], Dict[str, Any]]] = {
     "tests": tests_step,
     "two-ranks": lambda args: two_ranks_step(),
     "overhead": lambda args: overhead_step(),
-    "sweep": lambda args: sweep_step(),
+    "sweep": lambda args: sweep_step(args.sizes),
 }
 
 

@@ -25,7 +25,6 @@ not to rewrite the module, so it does not warn.
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -69,27 +68,22 @@ def __dir__() -> list:
 
 
 def _watch_cuda(_torch: Any = None) -> None:
-    """Install the hooks that see CUDA graphs captured and tensors lent (``engine.cuda_memory``).
+    """Import ``memgather.cuda_watch``, whose hooks see CUDA graphs captured and tensors lent.
 
     memgather may rebind a CUDA slot only while no graph captured in this process can replay
-    into it, and a capture made before the hooks exist is never seen: so they are installed as
-    memgather is imported, where torch already is, else as torch's own import ends. This
-    imports nothing that torch does not already need. Should the engine not import here (one
-    of its modules half imported on this thread), its own import installs them, counting any
-    CUDA use before then as a graph it could not see.
+    into it, and a capture made before the hooks exist is never seen: so they go in as
+    memgather is imported, where torch already is, else as torch's own import ends. Not with
+    ``MEMGATHER=0``, which leaves torch as it is; not while torch is still importing (from
+    another import hook): the engine's import installs them then.
     """
-    try:
-        importlib.import_module("memgather.engine.cuda_memory")
-    except Exception:  # never fail an import over it: the engine's own import covers the gap
-        logging.getLogger("memgather").debug("CUDA graph hooks deferred to the engine's import", exc_info=True)
+    from memgather import config
 
-
-if "torch" in sys.modules:
-    _watch_cuda()
-else:
-    import wrapt
-
-    wrapt.register_post_import_hook(_watch_cuda, "torch")
+    if config.switched_off():
+        return
+    torch = sys.modules.get("torch")
+    if _torch is None and torch is not None and getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        return  # (called by the post-import hook, ``_torch``, torch's own code has run to its end)
+    importlib.import_module("memgather.cuda_watch")
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; ``import x as x`` marks a re-export
@@ -110,3 +104,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; ``import x a
     from memgather.patching.scope import disabled as disabled
     from memgather.patching.targets import BUILTIN as TARGETS  # noqa: F401 - re-exported as memgather.TARGETS
     from memgather.patching.targets import Target as Target
+
+
+if "torch" in sys.modules:
+    _watch_cuda()
+else:
+    import wrapt
+
+    wrapt.register_post_import_hook(_watch_cuda, "torch")

@@ -69,6 +69,12 @@ def parse_bool(name: str, value: str) -> bool:
     raise ValueError(f"{name}={value!r} is not a boolean: use one of 1/0, true/false, yes/no, on/off")
 
 
+def switched_off(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``MEMGATHER`` is set to a false value (``0``, ``false``, ``no``, ``off``): the kill switch."""
+    value = (os.environ if environ is None else environ).get("MEMGATHER", "").strip().lower()
+    return bool(value) and value in _FALSE
+
+
 def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Settings from ``environ`` (default: ``os.environ``)."""
     env = os.environ if environ is None else environ

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
 import textwrap
-import time
 from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from benchmarks import processes
 
 WORLD = 2
 
@@ -35,7 +36,7 @@ warnings.simplefilter("ignore")
 RANK, WORLD, STORE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 import torch, torch.distributed as dist
 import memgather  # before CUDA is first used, as memgather asks: else it counts a CUDA graph alive
-if torch.cuda.is_available():  # (a CPU machine runs the launcher itself on gloo)
+if BACKEND != "gloo":  # (gloo: the launcher itself, on any machine)
     torch.cuda.set_device(0)
 dist.init_process_group(BACKEND, init_method="file://" + STORE, rank=RANK, world_size=WORLD)
 """
@@ -51,40 +52,29 @@ def available() -> bool:
     return torch.cuda.is_available() and dist.is_nccl_available()
 
 
-def run(script: str, backend: str = "nccl", env: Optional[Dict[str, str]] = None, timeout_s: float = 240) -> List[Any]:
-    """``script`` (dedented) on ``WORLD`` ranks sharing GPU 0; each rank's last JSON line, in rank order."""
-    if not available():
+def run(script: str, backend: str = "nccl", env: Optional[Dict[str, str]] = None,
+        timeout_s: float = 240) -> List[Any]:
+    """``script`` (dedented) on ``WORLD`` ranks sharing GPU 0; each rank's last JSON line, in rank order.
+
+    Skips without CUDA and NCCL where ``backend`` is NCCL's (``gloo`` runs on any machine). A rank
+    that fails is reported at once with every rank's output (``benchmarks.processes``).
+    """
+    if backend != "gloo" and not available():
         pytest.skip("needs a CUDA device and NCCL (benchmarks/gpu_check.py runs these on a GPU)")
     body = _PRELUDE.replace("BACKEND", repr(backend)) + textwrap.dedent(script) + _EPILOGUE
-    store = os.path.join(tempfile.mkdtemp(prefix="memgather-nccl-"), "store")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", body, str(rank), str(WORLD), store],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={
-                **os.environ,
-                "TORCH_DISTRIBUTED_DEBUG": "OFF",
-                "NCCL_HOSTID": f"memgather-rank-{rank}",
-                **(env or {}),
-            },
-        )
-        for rank in range(WORLD)
-    ]
-    deadline = time.monotonic() + timeout_s
-    outputs = []
+    store = tempfile.mkdtemp(prefix="memgather-nccl-")
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append((proc.returncode, out, err))
+        base = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": "OFF", **(env or {})}
+        commands = [[sys.executable, "-c", body, str(rank), str(WORLD), os.path.join(store, "store")]
+                    for rank in range(WORLD)]
+        envs = [{**base, "NCCL_HOSTID": f"memgather-rank-{rank}"} for rank in range(WORLD)]
+        ends = processes.run(commands, envs, timeout_s)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    errors = [err for code, _, err in outputs if code != 0]
-    if any("Duplicate GPU" in err for err in errors):
+        shutil.rmtree(store, ignore_errors=True)
+    if any("Duplicate GPU" in end.stderr for end in ends):
         pytest.skip("NCCL refused two ranks on one GPU")
-    assert not errors, "\n---\n".join(err[-3000:] for err in errors)
-    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs]
+    failed = [(rank, end) for rank, end in enumerate(ends) if end.returncode != 0]
+    assert not failed, "\n---\n".join(
+        f"rank {rank}: {'killed (timeout, or after another rank failed)' if end.returncode is None else end.returncode}"
+        f"\n{end.stderr[-3000:]}" for rank, end in failed)
+    return [json.loads(end.stdout.strip().splitlines()[-1]) for end in ends]

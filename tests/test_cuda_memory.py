@@ -17,6 +17,7 @@ from typing import Optional
 
 import pytest
 
+from memgather import cuda_watch
 from memgather.engine import cuda_memory
 from memgather.engine.cuda_memory import SlotFacts
 from memgather.engine.strategies import Reason
@@ -76,7 +77,7 @@ def test_release_leaves_cpu_slots_alone() -> None:
 def test_a_graph_counts_from_its_capture_until_it_is_freed_or_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hooks on capture_begin and reset note a graph before its capture begins (a capture that
     cannot begin still raises, as torch's does) and forget it when it is reset or freed."""
-    monkeypatch.setattr(cuda_memory, "_graphs", {})
+    monkeypatch.setattr(cuda_watch, "_graphs", {})
 
     class Graph:
         def capture_begin(self, pool: object = None) -> None:
@@ -85,21 +86,21 @@ def test_a_graph_counts_from_its_capture_until_it_is_freed_or_reset(monkeypatch:
         def reset(self) -> None:
             pass
 
-    cuda_memory._hook(Graph, "capture_begin", cuda_memory._noting_capture)
-    cuda_memory._hook(Graph, "reset", cuda_memory._noting_reset)
-    cuda_memory._hook(Graph, "capture_begin", cuda_memory._noting_capture)  # idempotent
+    cuda_watch._hook(Graph, "capture_begin", cuda_watch._noting_capture)
+    cuda_watch._hook(Graph, "reset", cuda_watch._noting_reset)
+    cuda_watch._hook(Graph, "capture_begin", cuda_watch._noting_capture)  # idempotent
     assert Graph.capture_begin.__wrapped__.__name__ == "capture_begin"
     assert not hasattr(Graph.capture_begin.__wrapped__, "_memgather_hook")
     first, second = Graph(), Graph()
     for graph in (first, second):
         with pytest.raises(RuntimeError, match="no CUDA here"):
             graph.capture_begin(pool=None)
-    assert cuda_memory.graphs_alive()
+    assert cuda_watch.graphs_alive()
     del graph
     first.reset()
-    assert cuda_memory.graphs_alive()
+    assert cuda_watch.graphs_alive()
     del second
-    assert not cuda_memory.graphs_alive()
+    assert not cuda_watch.graphs_alive()
 
 
 def test_the_hooks_are_installed_and_torch_behaves_as_before() -> None:
@@ -114,44 +115,67 @@ def test_the_hooks_are_installed_and_torch_behaves_as_before() -> None:
     with pytest.raises(AttributeError, match="non-CUDA tensor"):
         cpu.__cuda_array_interface__
     assert not hasattr(cpu, "__cuda_array_interface__")  # as numba and cupy probe it
-    assert id(cpu) not in cuda_memory._lent
+    assert id(cpu) not in cuda_watch._lent
 
 
 def test_a_loan_is_noted_and_forgotten_with_its_tensor() -> None:
     import torch
 
-    interface = cuda_memory._noting_loan(lambda tensor: {"data": (tensor.data_ptr(), False)})
+    interface = cuda_watch._noting_loan(lambda tensor: {"data": (tensor.data_ptr(), False)})
     tensor = torch.ones(2)
     key = id(tensor)
     assert interface(tensor)["data"][0] == tensor.data_ptr()
-    assert key in cuda_memory._lent
+    assert key in cuda_watch._lent
     del tensor
-    assert key not in cuda_memory._lent
+    assert key not in cuda_watch._lent
 
 
 _IMPORTS = """
 import sys
 {imports}
 hook = torch.cuda.CUDAGraph.__dict__["capture_begin"]
-from memgather.engine import cuda_memory
-print(json.dumps([hasattr(hook, "_memgather_hook"), "memgather.engine.core" in sys.modules, cuda_memory.graphs_alive()]))
+engine = "memgather.engine.cuda_memory" in sys.modules
+alive = sys.modules["memgather.cuda_watch"].graphs_alive() if "memgather.cuda_watch" in sys.modules else None
+print(json.dumps([hasattr(hook, "_memgather_hook"), engine, alive]))
 """
 
 
-def _after(imports: str) -> list:
+def _after(imports: str, memgather: str = "") -> list:
     code = "import json\n" + _IMPORTS.format(imports=imports)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "MEMGATHER": "0"})
+                          env={**os.environ, "MEMGATHER": memgather})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("imports", ["import torch\nimport memgather", "import memgather\nimport torch"])
+@pytest.mark.parametrize("imports", ["import torch\nimport memgather", "import memgather\nimport torch",
+                                     "import memgather.errors\nimport torch", "from memgather.engine import core\nimport torch"])
 def test_import_memgather_installs_the_hooks_before_any_capture(imports: str) -> None:
-    """A capture made before the hooks exist is never seen: ``import memgather`` installs them, at
-    once where torch is imported, else when torch's import ends, without the rest of the engine."""
+    """A capture made before the hooks exist is never seen: any import of memgather installs them, at
+    once where torch is imported, else when torch's import ends, without the engine."""
     hooked, engine_imported, alive = _after(imports)
-    assert hooked and not engine_imported and not alive
+    assert hooked and alive is False
+    assert engine_imported == imports.startswith("from memgather.engine")
+
+
+def test_the_kill_switch_leaves_torch_alone() -> None:
+    """With MEMGATHER=0 memgather does nothing: importing it wraps nothing of torch's."""
+    assert _after("import torch\nimport memgather", memgather="0") == [False, False, None]
+    assert _after("import memgather\nimport torch", memgather="0") == [False, False, None]
+
+
+def test_memgather_imported_while_torch_imports_defers_the_hooks() -> None:
+    """Imported from another hook while torch is half imported: nothing is installed then (torch
+    cannot take torch.distributed's import yet), and torch's import ends normally."""
+    code = ("import wrapt\n"
+            "def hook(module):\n    import memgather\n"
+            "wrapt.register_post_import_hook(hook, 'torch.cuda')\n"
+            "import torch, sys\n"
+            "print('memgather.cuda_watch' in sys.modules, torch.ones(2).sum().item())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEMGATHER": ""})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "2.0"]
 
 
 def test_cuda_in_use_before_the_hooks_counts_as_a_graph_alive() -> None:
@@ -159,6 +183,6 @@ def test_cuda_in_use_before_the_hooks_counts_as_a_graph_alive() -> None:
     unseen: one is counted alive for the rest of the process, so no CUDA slot is rebound."""
     _, _, alive = _after("import torch\ntorch.cuda.is_initialized = lambda: True\nimport memgather")
     assert alive
-    facts = SlotFacts(True, "native", False, 0, cuda_memory.graphs_alive(), False)
+    facts = SlotFacts(True, "native", False, 0, cuda_watch.graphs_alive(), False)
     assert cuda_memory.refusal(facts) is None  # this process: CUDA was not in use at the import
     assert cuda_memory.refusal(facts._replace(graphs_captured=True)) is Reason.CUDA_GRAPHS

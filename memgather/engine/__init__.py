@@ -17,6 +17,6 @@ ranks, the group, and what calls on it take), ``slots``, ``staged`` and ``pages`
 ``elision`` (cat / stack returning the buffer itself), ``verification``
 (verify mode), ``counters`` and ``report`` (what memgather did).
 
-The engine imports ``memgather.compat``, ``config``, ``errors`` and ``frames``,
+The engine imports ``memgather.compat``, ``config``, ``cuda_watch``, ``errors`` and ``frames``,
 never the patching layer above it.
 """

@@ -18,19 +18,16 @@ decided by ``refusal`` from those facts alone:
   version counter, so nothing shows it fresh: both are left to torch.
 - **CUDA graphs.** A graph bakes in the addresses it reads and writes, and its
   static tensors may well be at version 0 (an output of an out-of-place op, an
-  input only read). While a graph captured in this process is alive (``watch``'s
-  hooks on the graph classes' ``capture_begin``, which ``torch.cuda.graph``,
-  ``make_graphed_callables`` and ``torch.compile``'s CUDA graphs all go through;
-  a graph is forgotten when it is freed or ``reset``), no CUDA slot is rebound:
-  any of them may be memory a graph replays. Nothing is freed or allocated while
-  the current stream captures either. A capture before the hooks are installed
-  goes unseen, so ``import memgather`` installs them (at once where torch is
-  imported, else when torch's import ends); where CUDA was in use before they
-  were, a graph captured then cannot be ruled out, and one is counted alive for
-  the rest of the process.
+  input only read). While a graph captured in this process is alive (the hooks of
+  ``memgather.cuda_watch`` on the graph classes' ``capture_begin``, which
+  ``torch.cuda.graph``, ``make_graphed_callables`` and ``torch.compile``'s CUDA
+  graphs all go through; a graph is forgotten when it is freed or ``reset``), or
+  may have been captured before those hooks were in, no CUDA slot is rebound: any
+  of them may be memory a graph replays. Nothing is freed or allocated while the
+  current stream captures either.
 - **Memory lent out.** ``__cuda_array_interface__`` (how CuPy and Numba borrow a
   tensor) keeps only a Python reference to the tensor, which no count shows:
-  ``watch`` notes each tensor that lends itself so, and such a slot stays where
+  ``cuda_watch`` notes each tensor that lends itself so, and such a slot stays where
   it is, as a CPU tensor lent to numpy does.
 
 Freeing is stream-ordered: a released block returns to the pool of the stream
@@ -47,15 +44,12 @@ without ``record_stream``, as for every tensor a program drops.
 
 from __future__ import annotations
 
-import functools
-import logging
-import weakref
 from functools import lru_cache
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
-from memgather import compat
+from memgather import compat, cuda_watch
 from memgather.engine.reasons import Reason
 
 
@@ -100,8 +94,8 @@ def read(slot: torch.Tensor) -> SlotFacts:
         allocator_backend(),
         torch.cuda.is_current_stream_capturing(),
         version,
-        graphs_alive(),
-        id(slot) in _lent,
+        cuda_watch.graphs_alive(),
+        cuda_watch.lent(slot),
     )
 
 
@@ -122,106 +116,3 @@ def release_on_current_stream(slots: List[torch.Tensor]) -> None:
     with compat.subclass_hooks_off():
         for slot in slots:
             slot.record_stream(stream)
-
-
-# What the hooks ``watch`` installs have seen: the CUDA graphs captured and still alive (id -> a weak
-# reference that forgets it; None: one that takes no weak reference, kept for good), and the tensors
-# lent through __cuda_array_interface__.
-_graphs: Dict[int, Optional["weakref.ref[Any]"]] = {}
-_lent: Dict[int, "weakref.ref[torch.Tensor]"] = {}
-_HOOKED = "_memgather_hook"
-
-
-def graphs_alive() -> bool:
-    """Whether a CUDA graph captured in this process may still replay."""
-    return _unseen or bool(_graphs)
-
-
-def watch() -> None:
-    """Install the hooks (idempotent; at import, so that what happens before ``patch()`` counts).
-
-    Each notes a fact and then does exactly what torch's own method does: ``capture_begin`` of every
-    graph class torch has (``torch.cuda.CUDAGraph``, ``torch.accelerator.Graph`` and their C bases)
-    notes the graph, its ``reset`` forgets it, ``Tensor.__cuda_array_interface__`` notes the tensor
-    that lent itself. A capture made outside torch (CuPy's on torch's stream) is not seen.
-    """
-    accelerator = getattr(torch, "accelerator", None)
-    for cls in (
-        getattr(torch._C, "_CUDAGraph", None),
-        getattr(torch._C, "_acceleratorGraph", None),
-        getattr(torch.cuda, "CUDAGraph", None),
-        getattr(accelerator, "Graph", None),
-    ):
-        if cls is None:
-            continue
-        _hook(cls, "capture_begin", _noting_capture)
-        _hook(cls, "reset", _noting_reset)
-    interface = torch.Tensor.__dict__.get("__cuda_array_interface__")
-    if isinstance(interface, property) and interface.fget is not None and not hasattr(interface.fget, _HOOKED):
-        noted = property(_noting_loan(interface.fget), doc=interface.__doc__)
-        torch.Tensor.__cuda_array_interface__ = noted  # type: ignore[assignment]  # a property replaced by a property
-
-
-def _hook(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """``cls.name`` replaced by ``make(cls.name)``, once, where ``cls`` defines it itself."""
-    method = cls.__dict__.get(name)
-    if method is None or not callable(method) or hasattr(method, _HOOKED):
-        return
-    try:
-        setattr(cls, name, make(method))
-    except (AttributeError, TypeError):  # a class that takes no new attribute: its captures go unseen
-        pass
-
-
-def _noting_capture(capture_begin: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(capture_begin)
-    def noted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _remember_graph(self)  # before the capture: one that fails may still have begun
-        return capture_begin(self, *args, **kwargs)
-
-    setattr(noted, _HOOKED, True)
-    return noted
-
-
-def _noting_reset(reset: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(reset)
-    def noted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = reset(self, *args, **kwargs)
-        _graphs.pop(id(self), None)  # its memory is released: it replays nothing any more
-        return result
-
-    setattr(noted, _HOOKED, True)
-    return noted
-
-
-def _remember_graph(graph: Any) -> None:
-    key = id(graph)
-    try:
-        _graphs[key] = weakref.ref(graph, lambda ref: _graphs.pop(key, None) if _graphs.get(key) is ref else None)
-    except TypeError:  # no weak reference to it: counted as alive for good
-        _graphs[key] = None
-
-
-def _noting_loan(fget: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
-    @functools.wraps(fget)
-    def cuda_array_interface(self: torch.Tensor) -> Any:
-        interface = fget(self)  # raises for a CPU tensor, as torch's does: nothing is lent then
-        key = id(self)
-        _lent[key] = weakref.ref(self, lambda ref: _lent.pop(key, None) if _lent.get(key) is ref else None)
-        return interface
-
-    setattr(cuda_array_interface, _HOOKED, True)
-    return cuda_array_interface
-
-
-# CUDA in use before the hooks were installed: a graph captured (or a tensor lent) in that time went
-# unseen, and none can be ruled out for the rest of the process. Read once, as this module is first
-# imported, before ``watch``.
-_unseen: bool = torch.cuda.is_initialized()
-if _unseen:
-    logging.getLogger("memgather").warning(
-        "CUDA was in use before memgather was imported: a CUDA graph captured then cannot be ruled out, so "
-        "no CUDA slot is rebound in this process (reason cuda_graphs). Import memgather before CUDA is "
-        "first used, or start with MEMGATHER=1."
-    )
-watch()

@@ -1,7 +1,9 @@
 """pytest plugin: ``pytest --memgather`` runs an existing test suite with memgather on.
 
-Registered through the ``pytest11`` entry point; inert (and torch-free) unless
-``--memgather`` is given.
+Registered through the ``pytest11`` entry point; torch-free, and patching nothing unless
+``--memgather`` is given. Like any import of memgather it puts in, once torch is imported,
+the hooks that note CUDA graphs captured and CUDA memory lent (``memgather.cuda_watch``):
+each then does what torch's own method does. ``MEMGATHER=0`` leaves those out too.
 """
 
 from __future__ import annotations

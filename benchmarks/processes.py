@@ -1,0 +1,68 @@
+"""Ranks run side by side as processes, bounded in time, with every rank's output kept.
+
+A rank that fails leaves the others waiting in a collective it never joins, and a rank
+that writes much to a pipe nobody reads blocks. So each rank writes to files, all are
+waited for together, and once one has failed the rest get ``grace_s`` to finish before
+they are killed: the failure is reported at once, with what every rank printed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+
+class Finished(NamedTuple):
+    """One rank's end: its exit status (None: killed at the deadline or after another's failure)."""
+
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+
+
+def run(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[Dict[str, str]],
+    timeout_s: float,
+    grace_s: float = 15.0,
+    cwd: Optional[str] = None,
+) -> List[Finished]:
+    """Run ``commands[i]`` with ``envs[i]`` side by side; each one's end, in order."""
+    folder = tempfile.mkdtemp(prefix="memgather-ranks-")
+    procs: List[subprocess.Popen] = []
+    try:
+        for index, (command, env) in enumerate(zip(commands, envs)):
+            with (
+                open(os.path.join(folder, f"{index}.out"), "w") as out,
+                open(os.path.join(folder, f"{index}.err"), "w") as err,
+            ):
+                procs.append(subprocess.Popen(list(command), stdout=out, stderr=err, env=env, cwd=cwd))
+        deadline = time.monotonic() + timeout_s
+        failed_at: Optional[float] = None
+        while [proc.poll() for proc in procs].count(None):  # every one polled: any() would stop at the first
+            now = time.monotonic()
+            if failed_at is None and any(proc.returncode not in (None, 0) for proc in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > grace_s):
+                break
+            time.sleep(0.05)
+        ends = [proc.poll() for proc in procs]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        finished = []
+        for index, end in enumerate(ends):
+            with open(os.path.join(folder, f"{index}.out")) as out, open(os.path.join(folder, f"{index}.err")) as err:
+                finished.append(Finished(end, out.read(), err.read()))
+        return finished
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
