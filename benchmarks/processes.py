@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -40,7 +41,10 @@ def run(
                 open(os.path.join(folder, f"{index}.out"), "w") as out,
                 open(os.path.join(folder, f"{index}.err"), "w") as err,
             ):
-                procs.append(subprocess.Popen(list(command), stdout=out, stderr=err, env=env, cwd=cwd))
+                # A session of its own: what a rank started is killed with it (killpg).
+                procs.append(
+                    subprocess.Popen(list(command), stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True)
+                )
         deadline = time.monotonic() + timeout_s
         failed_at: Optional[float] = None
         while [proc.poll() for proc in procs].count(None):  # every one polled: any() would stop at the first
@@ -52,17 +56,26 @@ def run(
             time.sleep(0.05)
         ends = [proc.poll() for proc in procs]
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+            _kill_session(proc)
             proc.wait()
         finished = []
         for index, end in enumerate(ends):
-            with open(os.path.join(folder, f"{index}.out")) as out, open(os.path.join(folder, f"{index}.err")) as err:
+            with (
+                open(os.path.join(folder, f"{index}.out"), errors="replace") as out,
+                open(os.path.join(folder, f"{index}.err"), errors="replace") as err,
+            ):
                 finished.append(Finished(end, out.read(), err.read()))
         return finished
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _kill_session(proc)
+            proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Kill what is left of ``proc``'s session: the rank, and any process it started."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

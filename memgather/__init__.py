@@ -25,6 +25,7 @@ not to rewrite the module, so it does not warn.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -72,18 +73,19 @@ def _watch_cuda(_torch: Any = None) -> None:
 
     memgather may rebind a CUDA slot only while no graph captured in this process can replay
     into it, and a capture made before the hooks exist is never seen: so they go in as
-    memgather is imported, where torch already is, else as torch's own import ends. Not with
-    ``MEMGATHER=0``, which leaves torch as it is; not while torch is still importing (from
-    another import hook): the engine's import installs them then.
+    memgather is imported, where torch already is, else as torch's own import ends (the
+    kill switch ``MEMGATHER=0`` is ``cuda_watch``'s to read). Not while torch is still
+    importing (from another import hook), and never at the cost of an error in torch's
+    import or memgather's (a module lock another thread holds): the engine's import installs
+    them then, counting any CUDA use before as a graph it could not see.
     """
-    from memgather import config
-
-    if config.switched_off():
-        return
     torch = sys.modules.get("torch")
     if _torch is None and torch is not None and getattr(getattr(torch, "__spec__", None), "_initializing", False):
         return  # (called by the post-import hook, ``_torch``, torch's own code has run to its end)
-    importlib.import_module("memgather.cuda_watch")
+    try:
+        importlib.import_module("memgather.cuda_watch")
+    except Exception:  # never fail torch's import, or memgather's, over it: the engine's import covers the gap
+        logging.getLogger("memgather").debug("CUDA graph hooks deferred to the engine's import", exc_info=True)
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; ``import x as x`` marks a re-export

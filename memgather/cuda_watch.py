@@ -9,10 +9,12 @@ fact and then does exactly what torch's own does.
 
 What happened before the hooks were installed is not seen. So ``import memgather``
 imports this module (at once where torch is imported, else as torch's import ends), and
-this module imports nothing but torch: it is safe to import from any of memgather's
-modules, on any thread. Where CUDA was in use by the time the hooks were in, a graph may
+this module imports nothing but torch and ``config``: no import of memgather's can wait
+on it in a circle. Where CUDA was in use by the time the hooks were in, a graph may
 have been captured unseen: ``graphs_alive`` then answers yes for the rest of the process,
-and a warning says so. ``engine.cuda_memory`` reads these facts for each CUDA slot.
+and a warning says so. Under the kill switch (``MEMGATHER=0``) nothing of torch's is
+wrapped, and ``graphs_alive`` answers yes: no CUDA slot is rebound then, even by a direct
+``memgather.all_gather``. ``engine.cuda_memory`` reads these facts for each CUDA slot.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import weakref
 from typing import Any, Callable, Dict, Optional
 
 import torch
+
+from memgather import config
 
 # What the hooks ``watch`` installs have seen: the CUDA graphs captured and still alive (id -> a weak
 # reference that forgets it; None: one that takes no weak reference, kept for good), and the tensors
@@ -119,10 +123,13 @@ def _noting_loan(fget: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor]
     return cuda_array_interface
 
 
-watch()
+# Under the kill switch torch is left as it is: nothing is wrapped, so nothing can be ruled out.
+_off = config.switched_off()
+if not _off:
+    watch()
 # Read once the hooks are in: a capture before them needed CUDA in use, which this sees.
-_unseen: bool = torch.cuda.is_initialized()
-if _unseen:
+_unseen: bool = _off or torch.cuda.is_initialized()
+if _unseen and not _off:
     logging.getLogger("memgather").warning(
         "CUDA was in use before memgather could watch for CUDA graphs: one captured then cannot be ruled "
         "out, so no CUDA slot is rebound in this process (reason cuda_graphs). Import memgather before "

@@ -159,9 +159,9 @@ def test_import_memgather_installs_the_hooks_before_any_capture(imports: str) ->
 
 
 def test_the_kill_switch_leaves_torch_alone() -> None:
-    """With MEMGATHER=0 memgather does nothing: importing it wraps nothing of torch's."""
-    assert _after("import torch\nimport memgather", memgather="0") == [False, False, None]
-    assert _after("import memgather\nimport torch", memgather="0") == [False, False, None]
+    """With MEMGATHER=0 importing memgather wraps nothing of torch's (and so rules no graph out)."""
+    assert _after("import torch\nimport memgather", memgather="0") == [False, False, True]
+    assert _after("import memgather\nimport torch", memgather="0") == [False, False, True]
 
 
 def test_memgather_imported_while_torch_imports_defers_the_hooks() -> None:
@@ -186,3 +186,40 @@ def test_cuda_in_use_before_the_hooks_counts_as_a_graph_alive() -> None:
     facts = SlotFacts(True, "native", False, 0, cuda_watch.graphs_alive(), False)
     assert cuda_memory.refusal(facts) is None  # this process: CUDA was not in use at the import
     assert cuda_memory.refusal(facts._replace(graphs_captured=True)) is Reason.CUDA_GRAPHS
+
+
+@pytest.mark.parametrize("value", ["0", "off", "false", "no"])
+def test_no_kill_switch_value_wraps_torch_even_when_the_engine_is_imported(value: str) -> None:
+    """Every false value of MEMGATHER (the .pth loads the patcher for some of them, and so the
+    engine): nothing of torch's is wrapped, and no CUDA slot may be rebound."""
+    hooked, _, alive = _after("import torch\nimport memgather\nfrom memgather.engine import core", memgather=value)
+    assert not hooked and alive is True
+
+
+_RACE = """
+import importlib, json, sys, threading
+seen = {}
+def load(name):
+    try:
+        importlib.import_module(name)
+        seen[name] = "ok"
+    except BaseException as error:
+        seen[name] = repr(error)
+threads = [threading.Thread(target=load, args=(name,)) for name in ("memgather.engine.core", "memgather.cuda_watch")]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(60)
+print(json.dumps(seen))
+"""
+
+
+def test_threads_importing_the_engine_and_the_hooks_at_once_both_finish() -> None:
+    """The hooks' import runs inside torch's (a post-import hook) on one thread while another
+    thread imports the engine: neither may fail, and torch's import may not either."""
+    for _ in range(4):
+        done = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "MEMGATHER": ""})
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+            "memgather.engine.core": "ok", "memgather.cuda_watch": "ok"}, done.stdout
