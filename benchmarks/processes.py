@@ -34,6 +34,31 @@ def run(
 ) -> List[Finished]:
     """Run ``commands[i]`` with ``envs[i]`` side by side; each one's end, in order."""
     folder = tempfile.mkdtemp(prefix="memgather-ranks-")
+    try:
+        ends = _wait(commands, envs, timeout_s, grace_s, cwd, folder)
+        finished = []
+        for index, end in enumerate(ends):
+            with (
+                open(os.path.join(folder, f"{index}.out"), errors="replace") as out,
+                open(os.path.join(folder, f"{index}.err"), errors="replace") as err,
+            ):
+                finished.append(Finished(end, out.read(), err.read()))
+        return finished
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[Dict[str, str]],
+    timeout_s: float,
+    grace_s: float,
+    cwd: Optional[str],
+    folder: str,
+) -> List[Optional[int]]:
+    """Start every rank, its output to ``folder``; each one's exit status when the last ended, the
+    deadline passed or ``grace_s`` passed after the first failure (None: still running then). No
+    process of theirs outlives the call."""
     procs: List[subprocess.Popen] = []
     try:
         for index, (command, env) in enumerate(zip(commands, envs)):
@@ -54,23 +79,11 @@ def run(
             if now > deadline or (failed_at is not None and now - failed_at > grace_s):
                 break
             time.sleep(0.05)
-        ends = [proc.poll() for proc in procs]
-        for proc in procs:
-            _kill_session(proc)
-            proc.wait()
-        finished = []
-        for index, end in enumerate(ends):
-            with (
-                open(os.path.join(folder, f"{index}.out"), errors="replace") as out,
-                open(os.path.join(folder, f"{index}.err"), errors="replace") as err,
-            ):
-                finished.append(Finished(end, out.read(), err.read()))
-        return finished
+        return [proc.poll() for proc in procs]
     finally:
         for proc in procs:
             _kill_session(proc)
             proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
