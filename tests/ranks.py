@@ -9,13 +9,14 @@ rebuild what the others sent.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 import memgather
-from memgather import compat
+from memgather import compat, cow
 
 _groups: Dict[Tuple[int, ...], Any] = {}
 
@@ -101,6 +102,32 @@ def make_slots(kind: str, t: torch.Tensor, world: int, rank: int) -> Tuple[List[
             return slots, slots[rank]
         return slots, t
     raise ValueError(kind)
+
+
+_is_cow = getattr(torch._C, "_is_cow_tensor", None)
+
+
+def handed_out(result: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Whether an elided cat gave ``result``: a copy-on-write snapshot of the buffer ``slot`` lies in
+    (both sides still copy-on-write: nothing has written either), or, where that is not served,
+    the buffer itself. Read without a slot's hook (which a pointer read sets off) and without
+    reading a pointer of a copy-on-write tensor (which copies it)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if _is_cow is not None and _is_cow(result):
+            return bool(_is_cow(slot))
+        return result.numel() > 0 and result.data_ptr() == slot.data_ptr()
+
+
+@contextlib.contextmanager
+def without_cow() -> Iterator[None]:
+    """Elision in this process as where torch's copy-on-write does not serve (CUDA, an older torch):
+    the buffer itself handed out, the slots watched until first used (``GivenSlot``)."""
+    saved = cow._WHY_NOT
+    cow._WHY_NOT = "switched off by a test"
+    try:
+        yield
+    finally:
+        cow._WHY_NOT = saved
 
 
 def storage_of(t: torch.Tensor) -> Any:

@@ -19,15 +19,16 @@ class Facts(NamedTuple):
     gloo_single: bool  # gloo carries that call out (before 2.2 it raises "no support for _allgather_base")
     use_count: bool  # torch._C._storage_Use_Count exists, so a rebind can be proven safe
     gloo_empty: bool  # gloo gathers empty tensors (1.13.1 and 2.0.1 die of SIGFPE, under torch alone)
+    cow: bool = False  # torch._lazy_clone is copy-on-write as memgather.cow probes it (an elided cat's snapshot)
 
 
 # Measured on the wheels the package index serves (Python 3.11, CPU, gloo, 2 ranks).
 MEASURED = {
     (1, 13): Facts("all_gather_into_tensor", gloo_single=False, use_count=False, gloo_empty=False),
     (2, 0): Facts("all_gather_into_tensor", gloo_single=False, use_count=False, gloo_empty=False),
-    (2, 12): Facts("all_gather_into_tensor", gloo_single=True, use_count=True, gloo_empty=True),
-    (2, 13): Facts("all_gather_single", gloo_single=True, use_count=True, gloo_empty=True),
-    (2, 15): Facts("all_gather_single", gloo_single=True, use_count=True, gloo_empty=True),
+    (2, 12): Facts("all_gather_into_tensor", gloo_single=True, use_count=True, gloo_empty=True, cow=True),
+    (2, 13): Facts("all_gather_single", gloo_single=True, use_count=True, gloo_empty=True, cow=True),
+    (2, 15): Facts("all_gather_single", gloo_single=True, use_count=True, gloo_empty=True, cow=True),
 }
 RELEASE = Version(torch.__version__).release[:2]
 CURRENT: Optional[Facts] = MEASURED.get(RELEASE)

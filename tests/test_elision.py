@@ -1,4 +1,9 @@
-"""Cat / stack elision on real gloo ranks: the buffer itself, only when exactly right."""
+"""Cat / stack elision on real gloo ranks: the buffer (or its copy-on-write snapshot), only when exactly right.
+
+Each case runs twice where this torch has a copy-on-write clone (``memgather.cow``): as on
+the CPU, where the result is a snapshot and the slots are plain at once, and as on CUDA
+(``tests.ranks.without_cow``), where the result is the buffer itself and the slots are watched.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,15 @@ import torch
 import torch.distributed as dist
 
 import memgather
+from memgather import cow
 from memgather.engine.elision import GivenSlot
 from memgather.tools import rss
 from tests.conftest import EAGER, unwrap
 from tests.pool import RankPool
-from tests.ranks import FunctionTensor, filled
+from tests.ranks import FunctionTensor, filled, handed_out, without_cow
+
+# How an elided result is made: a copy-on-write snapshot where this torch has one, and the buffer itself.
+HAND_OUTS = [True, False] if cow.works() else [False]
 
 ELIDED = {"cat", "cat_dim0_kw", "cat_negative_dim", "concat", "concatenate", "cat_tuple", "stack", "stack_negative_dim",
           "cat_after_read", "stack_scalars", "cat_pooled", "stack_pooled"}
@@ -25,23 +34,26 @@ COPIED = {"cat_dim1", "stack_dim1", "cat_reversed", "cat_subset", "cat_out", "ot
           "cat_pooled_channels_last", "stack_pooled_channels_last"}
 
 
-@pytest.fixture(scope="module")
-def cases(pools: Any) -> Any:
-    return unwrap(pools(2, **EAGER).run(elision_cases))
+@pytest.fixture(scope="module", params=HAND_OUTS, ids=lambda on: "copy_on_write" if on else "buffer")
+def cases(pools: Any, request: Any) -> Any:
+    return request.param, unwrap(pools(2, **EAGER).run(elision_cases, request.param))
 
 
 @pytest.mark.parametrize("name", sorted(ELIDED | COPIED))
 def test_same_values_as_torch_and_zero_copy_only_where_exact(cases: Any, name: str) -> None:
-    for result in cases:
+    copy_on_write, results = cases
+    for result in results:
         got = result[name]
         assert got["equal"] and got["plain_result"], got
         assert got["zero_copy"] is (name in ELIDED), got
-        # Slots sharing the handed-out buffer are watched (copied when next used); the others are plain.
-        assert got["slots_given"] if name in ELIDED else got["slots_plain"], got
+        assert got["version"] == 0 or name not in ELIDED, got  # a new tensor, as torch.cat's and torch.stack's
+        # Slots sharing the handed-out buffer itself are watched (copied when next used); slots whose
+        # buffer was snapshot copy-on-write are plain at once, as all the others are.
+        assert got["slots_given"] if name in ELIDED and not copy_on_write else got["slots_plain"], got
 
 
 def test_cat_of_scalars_raises_what_torch_raises(cases: Any) -> None:
-    for result in cases:
+    for result in cases[1]:
         assert result["cat_scalars"] == {"raised": True}
 
 
@@ -55,7 +67,12 @@ def test_any_other_op_returns_plain_tensors_and_disarms(pools: Any) -> None:
         assert result == {"plain_result": True, "all_plain": True, "cat_copies": True}
 
 
-@pytest.mark.parametrize("second_call,strategy", [("memgather", {"rebind": 1}), ("memgather_elide", {"rebind": 1}),
+# Slots whose buffer a copy-on-write result shares are plain adjacent views: gathered into where they lie
+# (their side gets memory of its own first, as on any write); slots watched for the result are rebound.
+_AGAIN = {"direct": 1} if cow.works() else {"rebind": 1}
+
+
+@pytest.mark.parametrize("second_call,strategy", [("memgather", _AGAIN), ("memgather_elide", _AGAIN),
                                                   ("memgather_fallback", {"fallback": 1})])
 def test_result_keeps_its_values_when_the_slots_are_reused(pools: Any, second_call: str, strategy: Any) -> None:
     for result in unwrap(pools(2, **EAGER).run(elision_reuse, second_call)):
@@ -86,9 +103,10 @@ def kept_slot_after_result_dies(ctx: Any, numel: int) -> Dict[str, Any]:
     tracked = rss.track_allocations(True)  # freed blocks leave the resident set at once, whatever ran before
     before = rss.current_bytes()
     slots = [torch.empty(numel) for _ in range(ctx.world)]
-    memgather.all_gather(slots, torch.full((numel,), float(ctx.rank)), elide=True)
-    result = torch.cat(slots)
-    elided = result.data_ptr() == slots[0].data_ptr()
+    with without_cow():
+        memgather.all_gather(slots, torch.full((numel,), float(ctx.rank)), elide=True)
+        result = torch.cat(slots)
+    elided = handed_out(result, slots[0])
     mine = slots[ctx.rank]
     del slots, result
     gc.collect()
@@ -118,7 +136,8 @@ def _settled_growth(before: int, bound: int) -> int:
 
 
 def test_a_kept_slot_holds_the_whole_buffer_until_first_used() -> None:
-    """16 MiB per rank: the documented cost of forced elision (docs/elision.md), and where it ends.
+    """16 MiB per rank: the documented cost of forced elision where the result is the buffer itself
+    (docs/elision.md), and where it ends.
 
     Ranks of their own: in the shared pool, what an earlier test's gloo calls free late
     (or keep) moved this process's resident set by several MiB during the measurement."""
@@ -147,7 +166,7 @@ def gathered_again_then_cat(ctx: Any) -> Dict[str, Any]:
     result = torch.cat(slots)
     want = torch.cat([torch.full((4, 3), float(r + 10)) for r in range(ctx.world)])
     return {"first": first, "strategy": dict(memgather.stats().by_strategy), "equal": torch.equal(result, want),
-            "zero_copy": result.data_ptr() == slots[0].data_ptr()}
+            "zero_copy": handed_out(result, slots[0])}
 
 
 def test_slots_that_alone_tile_their_buffer_are_armed_again(pools: Any) -> None:
@@ -171,7 +190,7 @@ def gathers_then_cats(ctx: Any, calls: int) -> Dict[str, int]:
     elided = 0
     for _ in range(calls):
         slots, _want = _gathered(ctx)
-        elided += torch.cat(slots).data_ptr() == slots[0].data_ptr()
+        elided += handed_out(torch.cat(slots), slots[0])
     return {"elided": elided}
 
 
@@ -184,15 +203,21 @@ def _gathered(
     return slots, [filled(r + offset, shape).to(memory_format=layout) for r in range(ctx.world)]
 
 
-def elision_cases(ctx: Any) -> Dict[str, Any]:
+def elision_cases(ctx: Any, copy_on_write: bool) -> Dict[str, Any]:
     """What cat/stack and friends return on armed slots, against plain torch."""
+    import contextlib
+
+    with contextlib.nullcontext() if copy_on_write else without_cow():
+        return _elision_cases(ctx)
+
+
+def _elision_cases(ctx: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
 
     def record(
         name: str, call: Any, reference: Any, shape: Tuple[int, ...] = (4, 3), layout: Any = torch.contiguous_format
     ) -> None:
         slots, want = _gathered(ctx, shape, layout=layout)
-        base = slots[0].data_ptr()
         try:
             got = call(slots)
         except Exception as error:  # noqa: BLE001
@@ -205,8 +230,9 @@ def elision_cases(ctx: Any) -> Dict[str, Any]:
         want_result = reference(want)
         out[name] = {
             "equal": torch.equal(got, want_result) and (got.shape, got.stride()) == (want_result.shape, want_result.stride()),
-            "zero_copy": got.data_ptr() == base,
+            "zero_copy": handed_out(got, slots[0]),
             "plain_result": type(got) is torch.Tensor,
+            "version": got._version,
             "slots_plain": all(type(s) is torch.Tensor for s in slots),
             "slots_given": all(type(s) is GivenSlot for s in slots),
         }
@@ -291,3 +317,56 @@ def elision_memory(ctx: Any, numel: int, elide: bool) -> Dict[str, Any]:
     gc.collect()
     dist.barrier()
     return {"growth": growth, "gathered": numel * 4 * ctx.world, "correct": correct}
+
+
+def observers_after_the_cat(ctx: Any, elide: bool) -> Dict[str, Any]:
+    """What code that outlives the cat sees of the slots: a callee that reads its caller's locals, a
+    function mode around the cat that keeps its inputs, and DLPack and numpy exports of a slot, each
+    after a write into the result (and, for the exports, a write through them)."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    class Keeping(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept: List[Any] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.cat:
+                self.kept.append(list(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    def callee_reading_the_caller() -> List[torch.Tensor]:
+        return list(sys._getframe(1).f_locals["slots"])
+
+    out: Dict[str, Any] = {}
+    slots = [torch.empty(3) for _ in range(ctx.world)]
+    memgather.all_gather(slots, filled(ctx.rank, (3,)), elide=elide)
+    mode = Keeping()
+    with mode:
+        result = torch.cat(slots)
+    out["elided"] = handed_out(result, slots[0])
+    seen = callee_reading_the_caller()
+    result.mul_(10)
+    out["callee"] = [s.tolist() for s in seen]
+    out["mode"] = [s.tolist() for s in mode.kept[0]]
+    numpy_view = slots[0].numpy()
+    numpy_view[:] = -1.0
+    dlpack_view = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(slots[1]))
+    dlpack_view.fill_(-2.0)
+    out["result"] = result.tolist()
+    out["slots"] = [s.tolist() for s in slots]
+    return out
+
+
+@pytest.mark.skipif(not cow.works(), reason="this torch has no copy-on-write clone")
+def test_code_that_outlives_the_cat_sees_torchs_values(pools: Any) -> None:
+    """Where the result is copy-on-write, each observer sees exactly what it sees without elision
+    (the second run: memgather's gather, torch's cat copy), whatever was written where."""
+    results = unwrap(pools(2, **EAGER).run(observers_after_the_cat, True))
+    plain = unwrap(pools(2, **EAGER).run(observers_after_the_cat, False))
+    for got, want in zip(results, plain):
+        assert got["elided"] and not want["elided"], (got, want)
+        assert {k: v for k, v in got.items() if k != "elided"} == {k: v for k, v in want.items() if k != "elided"}
+        assert want["result"][:3] == [0.0, 10.0, 20.0] and want["slots"][0] == [-1.0] * 3, want

@@ -1,4 +1,4 @@
-"""memgather's modules import one way: compat, config, cuda_watch, errors and frames <- engine <- patching <- tools.
+"""memgather's modules import one way: compat, config, cow, cuda_watch, errors and frames <- engine <- patching <- tools.
 
 A lower layer never imports a higher one, not even inside a function, and no two
 modules of a layer import each other in a circle: each layer can be read, and
@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List, Set
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "memgather"
-BASE = ("memgather.compat", "memgather.config", "memgather.cuda_watch", "memgather.errors", "memgather.frames")
+BASE = ("memgather.compat", "memgather.config", "memgather.cow", "memgather.cuda_watch", "memgather.errors", "memgather.frames")
 LAYERS = {"base": 0, "memgather.engine": 1, "memgather.patching": 2, "memgather.tools": 3}
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import memgather
-from memgather import compat
+from memgather import compat, cow
 from tests import compatibility
 from tests.conftest import unwrap
 from tests.faults import pair_outcomes
@@ -30,6 +30,24 @@ def test_gates_are_the_facts_measured_on_this_release() -> None:
     assert compat.single_tensor_primitive().name == CURRENT.primitive
     assert compat.gloo_has_single_tensor() == CURRENT.gloo_single
     assert compat.can_prove_exclusive() == CURRENT.use_count
+
+
+def test_the_copy_on_write_probe_reads_this_release() -> None:
+    """memgather.cow's probe on this torch: what was measured, and, where it passes, the facts an
+    elided cat's snapshot rests on, checked here directly on 1 MiB (not the probe's few bytes)."""
+    if CURRENT is not None:
+        assert cow.works() is CURRENT.cow, cow.why_not()
+    if not cow.works():
+        assert cow.why_not(), "a torch without copy-on-write must say why"
+        return
+    buffer = torch.rand(1 << 18)
+    slots = list(buffer.view(4, -1).unbind(0))
+    snapshot = cow.snapshot(buffer)
+    kept = buffer.clone()
+    slots[2].zero_()
+    assert torch.equal(snapshot, kept) and not torch.equal(buffer, kept)
+    snapshot.mul_(2)
+    assert torch.equal(slots[0], kept[: 1 << 16])
 
 
 def test_gloo_gate_agrees_with_what_gloo_does(pools: Any) -> None:
@@ -109,7 +127,9 @@ def test_target_module_under_memgather_1_grows_by_the_gathered_size() -> None:
         assert rank["identical"], rank
         assert rank["memgather"] <= 1.05, rank
         assert rank["torch"] >= 1.5, rank  # what torch's temporary adds: the measurement sees it
-        assert rank["memgather_stats"]["strategy"] == {"in_slots": 1}, rank
+        # The target returns its fresh list: rebound and armed for a cat where that cat's result would be
+        # copy-on-write (this torch's lazy clone passed memgather.cow's probe), else filled in place.
+        assert rank["memgather_stats"]["strategy"] == ({"rebind": 1} if cow.works() else {"in_slots": 1}), rank
 
 
 # Run on every rank of a pool (tests/pool.py): each takes the rank's context first and

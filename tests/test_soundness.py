@@ -11,13 +11,15 @@ observation (values, dtypes, shapes, strides, ``requires_grad``, ``grad_fn``,
 versions, gradients, errors raised) must be identical. A failure prints the
 shrunk program.
 
-The one class memgather cannot see is generated too and checked separately
-(``test_the_documented_hazard``): after an elided cat the result and the
-slots not touched since share memory, so a write into the result, or into a
-slot by a path that bypasses torch's dispatch (a DLPack export), changes what
-such a slot holds. Programs are told to be in that class by the test itself:
-a write after which the written tensor shares memory with a tensor it does
-not share memory with under torch.
+Where the cat's result is a copy-on-write snapshot (torch's lazy clone, on
+the CPU: ``memgather.cow``) there is no exception: every program must observe
+what torch gives it. Where it is not (CUDA; ``tests.ranks.without_cow`` makes a
+CPU process behave so), the result and the slots not touched since share
+memory, so a write into the result, or into a slot by a path that bypasses
+torch's dispatch (a DLPack export), changes what such a slot holds
+(``test_the_documented_hazard``). Programs are told to be in that class by the
+test itself: a write after which the written tensor shares memory with a
+tensor it does not share memory with under torch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
+from memgather import cow
 from tests import programs
 from tests.conftest import EAGER, unwrap
 
@@ -92,6 +95,7 @@ def _check(results: List[Dict[str, Any]]) -> None:
     _seen["programs"] += 1
     _seen["elided"] += results[0]["memgather"]["elided"] > 0
     if any(_hazard(r) for r in results):
+        assert not cow.works(), "a write reached memory it does not reach under torch, with a copy-on-write result"
         _seen["hazard"] += 1
         event("hazard class: checked by test_the_documented_hazard")
         return
@@ -118,8 +122,10 @@ HAZARDS = {
 
 @pytest.mark.parametrize("name", sorted(HAZARDS))
 def test_the_documented_hazard(pools: Any, name: str) -> None:
-    """What memgather cannot see, shown for what it is: a write after an elided cat reaching the other side."""
-    program = {"dtype": "float32", "shape": "vector", "ops": [("gather", "target", 1, False), *HAZARDS[name]]}
+    """What memgather cannot see where the result is the buffer itself (no copy-on-write: CUDA), shown
+    for what it is: a write after an elided cat reaching the other side."""
+    program = {"dtype": "float32", "shape": "vector", "ops": [("gather", "target", 1, False), *HAZARDS[name]],
+               "cow": False}
     # Elision may be refused (safely) when gloo's worker holds the buffer past memgather's
     # bounded wait, as under TORCH_DISTRIBUTED_DEBUG=DETAIL on a loaded machine: try again.
     for _ in range(5):
@@ -130,6 +136,22 @@ def test_the_documented_hazard(pools: Any, name: str) -> None:
         assert result["memgather"]["elided"] == 1, result["strategies"]
         assert _hazard(result), result["memgather"]["sharing"]
         assert result["memgather"]["log"] != result["torch"]["log"]
+
+
+@pytest.mark.skipif(not cow.works(), reason="this torch has no copy-on-write clone")
+@pytest.mark.parametrize("name", sorted(HAZARDS))
+def test_no_hazard_where_the_result_is_copy_on_write(pools: Any, name: str) -> None:
+    """The same programs with the result a copy-on-write snapshot: each observes what torch does."""
+    program = {"dtype": "float32", "shape": "vector", "ops": [("gather", "target", 1, False), *HAZARDS[name]]}
+    for _ in range(5):  # (elision may be refused while gloo's worker still holds the buffer: try again)
+        results = _run(pools, program)
+        if all(result["memgather"]["elided"] for result in results):
+            break
+    for result in results:
+        assert result["memgather"]["elided"] == 1, result["strategies"]
+        assert not _hazard(result), result["memgather"]["sharing"]
+        assert result["memgather"]["log"] == result["torch"]["log"]
+        assert result["memgather"]["final"] == result["torch"]["final"]
 
 
 SAFE_AFTER_CAT = {
@@ -164,29 +186,40 @@ def test_the_known_reproductions(pools: Any, name: str) -> None:
         assert result["memgather"]["final"] == result["torch"]["final"]
 
 
-def freed_result(ctx: Any) -> Dict[str, Any]:
+def freed_result(ctx: Any, copy_on_write: bool) -> Dict[str, Any]:
     """The result's storage freed after an elided cat (FSDP-style resize_(0)), then a slot used."""
+    import contextlib
+
     import torch
 
     import memgather
+    from tests.ranks import handed_out, without_cow
 
-    slots = [torch.empty(3) for _ in range(ctx.world)]
-    memgather.all_gather(slots, torch.full((3,), float(ctx.rank)), elide=True)
-    result = torch.cat(slots)
-    elided = result.data_ptr() == slots[0].data_ptr()
-    result.untyped_storage().resize_(0)
-    try:
-        slots[1].sum()
-    except RuntimeError as error:
-        return {"elided": elided, "raised": str(error)}
-    return {"elided": elided, "raised": None}
+    with contextlib.nullcontext() if copy_on_write else without_cow():
+        slots = [torch.empty(3) for _ in range(ctx.world)]
+        memgather.all_gather(slots, torch.full((3,), float(ctx.rank)), elide=True)
+        result = torch.cat(slots)
+        elided = handed_out(result, slots[0])
+        result.untyped_storage().resize_(0)
+        try:
+            total = slots[1].sum().item()
+        except RuntimeError as error:
+            return {"elided": elided, "raised": str(error)}
+    return {"elided": elided, "raised": None, "sum": total}
 
 
 def test_a_freed_result_is_a_clear_error_not_a_crash(pools: Any) -> None:
-    """In the hazard class (the result is changed after the cat): the slot's values are gone, and memgather says so."""
-    for result in _run_fn(pools, freed_result):
+    """In the hazard class (the result is the buffer itself, changed after the cat): the slot's values are
+    gone, and memgather says so."""
+    for result in _run_fn(pools, freed_result, False):
         assert result["elided"], result
         assert result["raised"] and "result's storage was freed" in result["raised"], result
+
+
+@pytest.mark.skipif(not cow.works(), reason="this torch has no copy-on-write clone")
+def test_a_freed_copy_on_write_result_leaves_the_slots_as_torch_does(pools: Any) -> None:
+    for result in _run_fn(pools, freed_result, True):
+        assert result == {"elided": True, "raised": None, "sum": 3.0}, result
 
 
 def inference_gathers(ctx: Any) -> Dict[str, Any]:
@@ -292,8 +325,9 @@ def shared_slots_gathered_again(ctx: Any) -> Any:
     [slot.share_memory_() for slot in slots]  # their storage (one buffer) is now shared memory
     memgather.all_gather(slots, torch.full((3,), float(ctx.rank + 5)), elide=True)
     result = torch.cat(slots)
-    return {"shared": result.is_shared(), "zero_copy": result.data_ptr() == slots[0].data_ptr(),
-            "values": result.tolist()}
+    from tests.ranks import handed_out
+
+    return {"shared": result.is_shared(), "zero_copy": handed_out(result, slots[0]), "values": result.tolist()}
 
 
 def test_a_shared_buffer_is_never_handed_out_as_a_result(pools: Any) -> None:

@@ -283,7 +283,7 @@ def _write_direct(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.
 def _write_armed_direct(route: routes.Route, call: Call) -> Tuple[Any, Optional[torch.Tensor]]:
     """Direct, into slots that alone tile their buffer: armed for a cat as a rebind's are."""
     region = slots.region(call.tensor_list)
-    elision.arm(call.tensor_list, region)
+    elision.arm(call.tensor_list, region, call.tensor)
     return routes.run(route, region, call.tensor, call.group, call.async_op), region
 
 
@@ -309,7 +309,7 @@ def _rebind(
     elision.release(tensor_list)  # slots sharing a handed-out result are rebound: no write reaches it
     flat = slots.rebind(tensor_list, parked)
     if elide:
-        elision.arm(tensor_list, flat)
+        elision.arm(tensor_list, flat, tensor)
     return routes.run(route, flat, tensor, group, async_op, elide), flat
 
 

@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from memgather import compat
+from memgather import compat, cow
 from memgather.engine import counters
 from memgather.engine import slots as _slots
 
@@ -58,7 +58,6 @@ _given: Dict[int, "weakref.finalize"] = {}
 _METADATA_METHODS = frozenset(
     getattr(torch.Tensor, name)
     for name in (
-        "data_ptr",
         "dim",
         "size",
         "numel",
@@ -109,15 +108,23 @@ _METADATA_PROPERTIES = frozenset(
 
 
 class _Group:
-    """The slots of one rebind and the buffer they tile."""
+    """The slots of one rebind, the buffer they tile, and the gather's input.
 
-    __slots__ = ("flat", "ids", "refs", "live")
+    ``cow``: the cat's result will be a copy-on-write snapshot of the buffer (``memgather.cow``),
+    so the slots are plain tensors again as soon as it is made, and one of them may have been
+    replaced in the list by the gather's own input (``source``) where that input still holds the
+    very bytes gathered from it.
+    """
 
-    def __init__(self, flat: torch.Tensor, slots: List[torch.Tensor]) -> None:
+    __slots__ = ("flat", "refs", "shape", "live", "cow", "source")
+
+    def __init__(self, flat: torch.Tensor, slots: List[torch.Tensor], tensor: Optional[torch.Tensor]) -> None:
         self.flat = flat
-        self.ids = [id(slot) for slot in slots]
         self.refs = [weakref.ref(slot) for slot in slots]  # no cycle: slots hold the group, not back
+        self.shape = slots[0].shape
         self.live = True
+        self.cow = cow.serves(flat)
+        self.source = weakref.ref(tensor) if self.cow and type(tensor) is torch.Tensor else None
 
     def disarm(self) -> None:
         """Every slot of the group back to a plain tensor; no elision any more."""
@@ -158,14 +165,15 @@ class GivenSlot(_WatchedSlot):
     """A slot whose buffer an elided cat handed out; gets a private copy when first used."""
 
 
-def arm(slots: List[torch.Tensor], flat: torch.Tensor) -> None:
-    """Let a later cat/stack of ``slots`` return ``flat``: call right after a rebind, or a direct
-    gather into slots that alone tile ``flat``'s whole storage."""
+def arm(slots: List[torch.Tensor], flat: torch.Tensor, tensor: Optional[torch.Tensor] = None) -> None:
+    """Let a later cat/stack of ``slots`` return ``flat`` (or, on the CPU, a copy-on-write snapshot of
+    it): call right after a rebind, or a direct gather into slots that alone tile ``flat``'s whole
+    storage. ``tensor``: the gather's input, which may stand in the cat for its own rank's slot."""
     if not compat.can_prove_alias_free():
         return  # this torch cannot show that nothing else holds the buffer: cat copies
     global _armed_ever
     _armed_ever = True
-    group = _Group(flat, slots)
+    group = _Group(flat, slots, tensor)
     for slot in slots:
         slot.__dict__[_GROUP] = group
         slot.__class__ = ElidableSlot
@@ -291,8 +299,12 @@ def _elide_plain(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Opti
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not isinstance(tensors, (list, tuple)) or not tensors or type(dim) is not int:
         return None
-    group = tensors[0].__dict__.get(_GROUP) if type(tensors[0]) is ElidableSlot else None
-    if group is None or not group.live or [id(t) for t in tensors] != group.ids:
+    armed = next((t for t in tensors if type(t) is ElidableSlot), None)
+    group = armed.__dict__.get(_GROUP) if armed is not None else None
+    if group is None or not group.live or len(tensors) != len(group.refs):
+        return None
+    swapped = _swapped(group, tensors)
+    if swapped is None:
         return None
     ndim = tensors[0].dim()
     if func is torch.stack:
@@ -300,57 +312,109 @@ def _elide_plain(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Opti
             return None
     elif ndim == 0 or dim not in (0, -ndim):  # torch.cat refuses 0-d tensors: let it say so
         return None
-    if not _invisible(group, tensors):
+    if not _invisible(group, tensors, swapped):
         return None
     return _hand_out(group, tensors, stacked=func is torch.stack)
 
 
-def _invisible(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
+# ``_swapped``'s answer where every tensor of the cat is its own slot.
+_NONE_SWAPPED = -1
+
+
+def _swapped(group: _Group, tensors: Sequence[torch.Tensor]) -> Optional[int]:
+    """Where the cat's tensors are the group's slots in order: the index at which the gather's input
+    stands instead of its slot (``_NONE_SWAPPED`` where none does); None where they are not."""
+    swapped = _NONE_SWAPPED
+    for index, (ref, tensor) in enumerate(zip(group.refs, tensors)):
+        if ref() is tensor:
+            continue
+        source = group.source() if group.source is not None else None
+        if swapped != _NONE_SWAPPED or source is None or tensor is not source:
+            return None
+        swapped = index
+    return swapped
+
+
+def _invisible(group: _Group, tensors: Sequence[torch.Tensor], swapped: int) -> bool:
     """Whether returning the buffer instead of torch.cat's copy can be told apart by anything at all."""
     return (
-        _in_place(group, tensors)
+        _in_place(group, tensors, swapped)
         and not any(t.requires_grad for t in tensors)  # torch.cat would record autograd history
         and group.flat.is_inference() == torch.is_inference_mode_enabled()
         and not compat.dispatch_mode_active()  # a dispatch mode would miss the aten::cat
         and not compat.is_compiling()
         and _alias_free(group, tensors)
+        and (swapped == _NONE_SWAPPED or _holds_what_was_gathered(group, tensors[swapped], swapped))
     )
 
 
-def _in_place(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
+def _in_place(group: _Group, tensors: Sequence[torch.Tensor], swapped: int = _NONE_SWAPPED) -> bool:
     """Each slot still is its view of the buffer (nobody has set_/resized it), with its shape's strides.
 
     torch.cat and torch.stack of tensors with their shape's strides give a result with its
     shape's strides, as the buffer has. Slots that are contiguous with other strides on dims
     of size 1 (channels_last (N, C, 1, 1)) give a result with strides of their kind: torch's
-    copy makes it.
+    copy makes it. The input standing in for its slot (``swapped``) must have the slots' dtype,
+    device, shape and strides, as a plain tensor whose bytes are its values (no conjugate or
+    negative bit).
     """
     flat = group.flat
     step = tensors[0].numel() * flat.element_size()
     base = flat.data_ptr()
-    shape = tensors[0].shape
+    shape = group.shape
     strides = _slots.contiguous_strides(tuple(shape))
-    return all(
-        t.data_ptr() == base + index * step and t.shape == shape and t.dtype == flat.dtype and t.stride() == strides
-        for index, t in enumerate(tensors)
-    )
+    for index, t in enumerate(tensors):
+        if t.shape != shape or t.dtype != flat.dtype or t.stride() != strides:
+            return False
+        if index == swapped:
+            if t.device != flat.device or t.is_conj() or t.is_neg():
+                return False
+        elif t.data_ptr() != base + index * step:
+            return False
+    return True
+
+
+def _holds_what_was_gathered(group: _Group, source: torch.Tensor, index: int) -> bool:
+    """Whether the gather's input, standing in the cat for its own slot, still holds the bytes the
+    gather copied from it into the buffer: then the buffer is the concatenation, bit for bit.
+
+    Compared as bytes (NaNs and signed zeros included), not trusted from a version counter, which
+    ``.data`` writes, numpy and raw pointers leave alone. One read of twice a rank's part: no copy.
+    """
+    part = group.flat.numel() // len(group.refs)
+    try:
+        gathered = group.flat.view(-1)[index * part : (index + 1) * part]
+        return bool(torch.equal(gathered.view(torch.uint8), source.reshape(-1).view(torch.uint8)))
+    except RuntimeError:  # a dtype that cannot be seen as bytes: the cat copies
+        return False
 
 
 def _alias_free(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
-    """Nothing but memgather's buffer tensor and the slots holds the storage, and no C++ handle holds a slot."""
-    return compat.storage_holders(group.flat) == len(tensors) + 1 and all(
-        compat.held_only_by_python(t) for t in tensors
-    )
+    """Nothing but memgather's buffer tensor and the live slots holds the storage, and no C++ handle
+    holds a slot (the one the input replaced in the list too, while it lives)."""
+    live = [slot for slot in (ref() for ref in group.refs) if slot is not None]
+    return compat.storage_holders(group.flat) == len(live) + 1 and all(compat.held_only_by_python(t) for t in live)
 
 
-def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> torch.Tensor:
+def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> Optional[torch.Tensor]:
     flat = group.flat
     if stacked:  # a tensor of its own over the buffer, as torch.stack's result is, not a view of flat
         result = _slots.tensor_over(flat, 0, (len(tensors), *tensors[0].shape))
     else:
         result = flat
-    compat.set_version(result, 0)  # a fresh result, as torch.cat's
+    if group.cow:
+        # A copy-on-write snapshot: a semantic copy, as torch.cat's result is. The slots are plain
+        # again at once: whatever is done with them, or with the result, copies first where both live.
+        try:
+            with torch._C.DisableTorchFunction():  # memgather's doing: no mode sees it
+                result = cow.snapshot(result)
+        except RuntimeError:  # memory torch cannot share lazily (shared memory, another owner's): cat copies
+            return None
+        counters.record_elided()
+        group.disarm()
+        return result
     counters.record_elided()
+    compat.set_version(result, 0)  # a fresh result, as torch.cat's
     group.disarm()
     for slot in tensors:
         slot.__class__ = GivenSlot

@@ -193,9 +193,9 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
                 # (Where a tracer may run code between the slots' making and the gather: read in full.)
                 made_like = found.like_input and not compat.code_between_statements()
                 if elide is None:
-                    elide = sites.dropped(found, args[0] if args else kwargs.get("tensor_list"))
+                    elide = sites.dropped(found, *_list_and_tensor(args, kwargs))
             elif elide is None:
-                elide = sites.elides(frame, args[0] if args else kwargs.get("tensor_list"), gatherer, site)
+                elide = sites.elides(frame, *_list_and_tensor(args, kwargs), gatherer, site)
             if site.kept is not None and len(args) == 2 and not kwargs:  # a loop's call, as most are written
                 done = core.rewire_kept(site, args, active.check, elide, active.verify, made_like)
                 if done is not core.NOT_TAKEN:
@@ -207,6 +207,12 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)
+
+
+def _list_and_tensor(args: Any, kwargs: Any) -> Tuple[Any, Any]:
+    """The call's ``tensor_list`` and ``tensor``, however passed (None where absent)."""
+    tensor_list = args[0] if args else kwargs.get("tensor_list")
+    return tensor_list, args[1] if len(args) > 1 else kwargs.get("tensor")
 
 
 def _decide(frame: Any, active: _Active) -> Tuple[_Decision, Hashable]:

@@ -39,7 +39,7 @@ name such as ``"torch.cat"``, or None), so the same proof serves a live frame
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 from memgather.patching import flow
@@ -99,6 +99,7 @@ FRAME_READERS = frozenset(
 )
 
 _BEFORE, _AFTER = 0, 1
+_FIRST_USE = "first used after the gather by the cat"
 
 
 @dataclass(frozen=True)
@@ -107,11 +108,15 @@ class Verdict:
 
     ``like_input``: whether the call's slots are proven to be new tensors made like its input
     (``slots_like_input``), a proof of its own that a gatherer's verdict carries beside.
+    ``needs_cow``: the proof holds only where the cat's result is a copy-on-write snapshot
+    (``memgather.cow``): the list's first use after the gather is the cat, but the slots are
+    used again after it, or the list is returned and its first use lies in the caller's code.
     """
 
     proven: bool
     reason: str
     like_input: bool = False
+    needs_cow: bool = False
 
 
 def refuse(reason: str) -> Verdict:
@@ -158,8 +163,18 @@ def slots_like_input(function: ast.AST, call: ast.Call, resolve: Resolve) -> Opt
 
 
 def gatherer(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:
-    """The function gathers into a list with ``call`` and must drop it after one cat."""
-    return _Proof(function, resolve).gathered(call, _cat_node, "drops the list after the cat")
+    """The function gathers into a list with ``call``; its first use after the gather must be one
+    cat (dropped after it, or, ``needs_cow``, used again), else the list must be returned (``needs_cow``)
+    with nothing done to it on the way but items replaced (``L[i] = x``)."""
+    found = _Proof(function, resolve).gathered(call, _cat_node, "drops the list after the cat")
+    if found.proven:
+        return found
+    returned = _Proof(function, resolve).gathered(
+        call, _returned_whole, "returns the list", passes=_item_replaced, reuse=True
+    )
+    if not returned.proven:
+        return found
+    return replace(returned, reason=f"{returned.reason}: its first use by torch is checked at run time", needs_cow=True)
 
 
 def forward(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:
@@ -190,7 +205,12 @@ class _Proof:
                 self.parents[id(child)] = node
 
     def gathered(
-        self, call: ast.Call, hand_over: Callable[["_Proof", flow.Node, ast.Name], bool], done: str
+        self,
+        call: ast.Call,
+        hand_over: Callable[["_Proof", flow.Node, ast.Name], bool],
+        done: str,
+        passes: Optional[Callable[["_Proof", flow.Node, ast.Name], bool]] = None,
+        reuse: bool = False,
     ) -> Verdict:
         listed = gather_list(call)
         if self.repeated(call):
@@ -209,7 +229,30 @@ class _Proof:
         refusal = self._fresh_before(graph, at, name)
         if refusal:
             return refuse(refusal)
-        return self._dropped_after(graph, [*at.succ, *at.exc], name, hand_over, at.line, done)
+        return self._handed_over(graph, [*at.succ, *at.exc], name, hand_over, at.line, done, passes, reuse)
+
+    def _handed_over(
+        self,
+        graph: flow.Graph,
+        starts: List[int],
+        name: str,
+        hand_over: Callable[["_Proof", flow.Node, ast.Name], bool],
+        line: int,
+        done: str,
+        passes: Optional[Callable[["_Proof", flow.Node, ast.Name], bool]] = None,
+        reuse: bool = False,
+    ) -> Verdict:
+        """``_dropped_after``; where that refuses a use after the hand-over, whether the hand-over
+        is still the first use on every path (``needs_cow``: sound where the cat's result is a
+        copy-on-write snapshot, which no later use of the slots can tell from torch's copy)."""
+        strict = self._dropped_after(graph, starts, name, hand_over, line, done, passes)
+        if strict.proven or reuse:
+            return strict
+        first = self._dropped_after(graph, starts, name, hand_over, line, _FIRST_USE, passes, reuse=True)
+        if not first.proven:
+            return strict
+        reason = f"{first.reason} ({strict.reason}; proven where the cat's result is copy-on-write)"
+        return Verdict(True, reason, needs_cow=True)
 
     def like_input(self, call: ast.Call) -> str:
         if not isinstance(self.function, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -364,7 +407,7 @@ class _Proof:
         assert at is not None  # the call is part of the assignment, a statement of the function
         if flow.loads(at, target):
             return refuse(f"line {at.line}: {target} is used in the statement that binds it")
-        return self._dropped_after(graph, list(at.succ), target, _cat_node, at.line, "drops the tensors after the cat")
+        return self._handed_over(graph, list(at.succ), target, _cat_node, at.line, "drops the tensors after the cat")
 
     # The parts of a proof.
 
@@ -457,8 +500,11 @@ class _Proof:
         hand_over: Callable[["_Proof", flow.Node, ast.Name], bool],
         line: int,
         done: str,
+        passes: Optional[Callable[["_Proof", flow.Node, ast.Name], bool]] = None,
+        reuse: bool = False,
     ) -> Verdict:
-        """From ``starts`` the first read of ``name`` on every path is a hand-over, and none follows one."""
+        """From ``starts`` the first read of ``name`` on every path is a hand-over, and (unless
+        ``reuse``) none follows one; before it, only reads that ``passes`` allows."""
         pending = [(index, _BEFORE, 0) for index in starts]
         seen: Set[Tuple[int, int]] = set()
         handed: List[int] = []
@@ -469,9 +515,11 @@ class _Proof:
             seen.add((index, state))
             node = graph.nodes[index]
             reads = flow.loads(node, name)
-            if reads:
-                if state == _AFTER:
-                    return refuse(f"line {node.line}: {name} is used again after line {handed_at}")
+            if reads and state == _AFTER:
+                if reuse:
+                    continue  # what follows the hand-over on this path is not this proof's to read
+                return refuse(f"line {node.line}: {name} is used again after line {handed_at}")
+            if reads and not (len(reads) == 1 and passes is not None and passes(self, node, reads[0])):
                 if len(reads) != 1 or not hand_over(self, node, reads[0]):
                     return refuse(f"line {node.line}: {name} is used after the gather at line {line}, not by a cat")
                 state, handed_at = _AFTER, node.line
@@ -521,6 +569,19 @@ def _returned_whole(proof: _Proof, node: flow.Node, read: ast.Name) -> bool:
         and not value.keywords
         and proof.resolve(value.func) in _WHOLE
     )
+
+
+def _item_replaced(proof: _Proof, node: flow.Node, read: ast.Name) -> bool:
+    """``L[i] = x`` (the list's one read in the statement): an item replaced, no slot touched.
+
+    The slot it replaces is dropped from the list; the cat that follows is checked at run time
+    (a rank's own entry replaced by the gather's input, as torchmetrics does, still gives the
+    buffer where the input's bytes are the ones gathered)."""
+    statement = node.statement
+    if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1):
+        return False
+    target = statement.targets[0]
+    return isinstance(target, ast.Subscript) and target.value is read and not isinstance(target.slice, ast.Slice)
 
 
 def last_name(expression: ast.expr) -> str:

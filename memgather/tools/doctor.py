@@ -147,15 +147,25 @@ def cuda_slots() -> str:
 def elision_lines(elide: Optional[bool]) -> List[str]:
     """Where cat elision is on: the setting, then every all_gather call site of each installed
     target (found by reading its files, never importing it) with the proof's verdict."""
+    from memgather import cow
     from memgather.patching import callsites, targets
 
     if elide is None:
         lines = [
-            "cat elision (MEMGATHER_ELIDE unset): at call sites whose code is proven to drop the list after one cat"
+            "cat elision (MEMGATHER_ELIDE unset): at call sites whose code is proven to hand the list to one cat "
+            "first; on the CPU it may be used again after it, or returned (proven: copy-on-write), on CUDA it "
+            "must be dropped after the cat"
         ]
     else:
         where = "on for every rewired call" if elide else "off everywhere"
         lines = [f"cat elision: {where} (MEMGATHER_ELIDE={int(elide)}); what the proof says of each call site"]
+    if cow.works():
+        lines.append(
+            "  the cat's result on the CPU: a copy-on-write snapshot of the buffer (torch._lazy_clone, probed at "
+            "import): no later use of the slots or the result can tell it from torch.cat's copy"
+        )
+    else:
+        lines.append(f"  the cat's result: the buffer itself, the slots watched until first used ({cow.why_not()})")
     # torch's own all-gathering Function, whose forward hands its slots to the code that applies it.
     function, _ = callsites.of_package("torch.distributed.nn.functional")
     packages = [("torch.distributed.nn", function)]
@@ -169,7 +179,9 @@ def elision_lines(elide: Optional[bool]) -> List[str]:
             f"  {top}: {len(found)} call site{'s' if len(found) != 1 else ''} of torch's all_gather, {elided} proven"
         )
         for call_site in found:
-            state = "proven" if call_site.verdict.proven else "not proven"
+            state = "not proven"
+            if call_site.verdict.proven:
+                state = "proven (copy-on-write)" if call_site.verdict.needs_cow else "proven"
             lines.append(f"    {call_site.name} ({call_site.role}): {state}: {call_site.verdict.reason}")
     return lines
 

@@ -562,7 +562,79 @@ def refused_through_a_cache(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.T
 
 
 # Read by the static proof as written, decided at the gather by what runs.
+def accepted_returned_with_own_input(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """torchmetrics' _simple_gather_all_tensors: the list returned with this rank's entry replaced by
+    the input itself; the caller concatenates it two frames up (copy-on-write results only)."""
+
+    def _simple_gather(result: torch.Tensor, world_size: int) -> List[torch.Tensor]:
+        with torch.no_grad():
+            gathered_result = [torch.zeros_like(result) for _ in range(world_size)]
+            torch.distributed.all_gather(gathered_result, result)
+        gathered_result[torch.distributed.get_rank()] = result
+        return gathered_result
+
+    def flatten(lists: List[List[torch.Tensor]]) -> List[torch.Tensor]:
+        return [item for sublist in lists for item in sublist]
+
+    result = torch.cat(flatten([_simple_gather(tensor, dist.get_world_size())]), dim=0)
+    result.add_(1)  # a write into the result: the slots and the input must not see it
+    return result, tensor
+
+
+def refused_returned_then_input_written(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """As torchmetrics', but the input is written between the gather and the cat (through .data,
+    which its version counter does not see): the cat must concatenate what the input holds now,
+    so the buffer (which holds what it held at the gather) is not handed out."""
+
+    def _simple_gather(result: torch.Tensor) -> List[torch.Tensor]:
+        gathered_result = [torch.zeros_like(result) for _ in range(dist.get_world_size())]
+        torch.distributed.all_gather(gathered_result, result)
+        gathered_result[dist.get_rank()] = result
+        return gathered_result
+
+    gathered = _simple_gather(tensor)
+    tensor.data.mul_(-1)
+    return torch.cat(gathered), tensor
+
+
+def refused_returned_after_a_slot_is_read(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    doubled = slots[0] * 2
+    return torch.cat(_handed(slots)), doubled
+
+
+def _handed(slots: List[torch.Tensor]) -> List[torch.Tensor]:
+    return slots
+
+
+def refused_returned_after_an_item_is_written(tensor: torch.Tensor) -> torch.Tensor:
+    def gather() -> List[torch.Tensor]:
+        slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(slots, tensor)
+        slots[0] += 1
+        return slots
+
+    return torch.cat(gather())
+
+
 RUNTIME_ONLY = {"refused_pooled_slots", "refused_locals_by_another_name"}
+# Proven only where the cat's result is a copy-on-write snapshot (the CPU): the list's first use
+# after the gather is the cat, but it is used again after it, or returned to code not read.
+COPY_ON_WRITE_ONLY = {
+    "refused_scale_then_read_slot",
+    "refused_returned",
+    "refused_in_the_loop_after",
+    "refused_in_a_handler",
+    "refused_receiver_keeps",
+    "_yields",
+    "refused_yielded",  # (the case; its generator's call site above)
+    "refused_augmented_after",
+    "refused_annotation_after",
+    "accepted_returned_with_own_input",  # (the case; its helper's call site below)
+    "accepted_returned_with_own_input.<locals>._simple_gather",
+    "refused_returned_then_input_written.<locals>._simple_gather",  # (the input's bytes differ at the cat)
+}
 _snapshot = locals
 GLOBAL_SLOTS: List[torch.Tensor] = []
 CASES = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -35,10 +35,19 @@ def observe(value: Any) -> Dict[str, Any]:
         return _ADDRESS.sub("0x?", repr(thing))
 
     shape = walk(value)
-    # Which results share memory with which (by storage), as torch left them.
-    storages = [t.untyped_storage().data_ptr() if t.numel() else -1 - i for i, t in enumerate(tensors)]
-    sharing = [[a == b for b in storages] for a in storages]
+    # Which results share memory with which: whose bytes overlap, so that a write into one reaches the
+    # other. (Rebound slots share one storage, in ranges of their own: docs/calls.md, after a rebind.)
+    spans = [_span(t) for t in tensors]
+    sharing = [[a[0] < b[1] and b[0] < a[1] for b in spans] for a in spans]
     return {"value": shape, "sharing": sharing}
+
+
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride > 0)
+    start = t.data_ptr()  # (a copy-on-write tensor whose other side lives gets its own copy here)
+    return start, start + (last + 1) * t.element_size()
 
 
 def run(function: Any, tensor: torch.Tensor) -> Dict[str, Any]:

@@ -1,0 +1,81 @@
+"""memgather.cow: torch's copy-on-write clone, as probed at import, and what an elided cat's snapshot does.
+
+The probe's rules are each held by a stand-in ``_lazy_clone`` that breaks one of them.
+The release tests (tests/test_releases.py) run the probe on every torch in the matrix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from memgather import cow
+
+needs_cow = pytest.mark.skipif(not cow.works(), reason=f"no copy-on-write here: {cow.why_not()}")
+
+
+@needs_cow
+def test_a_snapshot_is_a_fresh_tensor_sharing_memory_until_either_side_is_written() -> None:
+    buffer = torch.arange(12, dtype=torch.float64)
+    slots = list(buffer.view(3, 4).unbind(0))
+    snapshot = cow.snapshot(buffer)
+    assert snapshot._base is None and snapshot._version == 0 and snapshot.grad_fn is None
+    assert torch._C._is_cow_tensor(snapshot) and torch._C._is_cow_tensor(slots[1])
+    slots[1].mul_(-1)  # the slots' side copies; the snapshot keeps what the buffer held
+    assert snapshot.tolist() == list(map(float, range(12)))
+    snapshot.add_(100)  # and the other way round
+    assert buffer[:4].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@needs_cow
+def test_it_serves_cpu_tensors_only() -> None:
+    assert cow.serves(torch.empty(2))
+    assert not cow.serves(torch.empty(2, device="meta"))
+
+
+def _probe_with(monkeypatch: Any, clone: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    monkeypatch.setattr(cow, "_lazy_clone", clone)
+    return cow._probed()
+
+
+@needs_cow
+@pytest.mark.parametrize(
+    "name,clone,why",
+    [
+        ("a real copy", lambda t: t.clone(), "did not make a copy-on-write pair"),
+        ("a view", lambda t: torch._lazy_clone(t).view(t.shape), "not a fresh tensor"),
+        ("a written result", lambda t: torch._lazy_clone(t).add_(0), "did not make a copy-on-write pair"),
+        ("other values", lambda t: torch._lazy_clone(t + 1), "did not make a copy-on-write pair"),
+        ("a missing function", None, "has no torch._lazy_clone"),
+        ("a raising function", lambda t: (_ for _ in ()).throw(RuntimeError("boom")), "probe failed: RuntimeError"),
+    ],
+)
+def test_the_probe_refuses_a_clone_that_breaks_a_rule(monkeypatch: Any, name: str, clone: Any, why: str) -> None:
+    assert why in _probe_with(monkeypatch, clone), name
+
+
+def _sharing(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of its own over ``tensor``'s memory: what a clone that copies nothing on write would give."""
+    shared = torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), 0, tensor.shape)
+    torch._C._autograd._unsafe_set_version_counter((shared,), (0,))  # as new (set_ counted a write)
+    return shared
+
+
+@needs_cow
+def test_the_probe_refuses_a_clone_whose_writes_reach_the_other_side(monkeypatch: Any) -> None:
+    monkeypatch.setattr(cow, "_is_cow", lambda tensor: True)  # as if it were copy-on-write
+    assert _probe_with(monkeypatch, _sharing) == "a write into the source reached the clone"
+
+
+@needs_cow
+def test_the_probe_passes_this_torch_and_runs_outside_modes() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class Refusing(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            raise AssertionError(f"the probe was seen by a mode: {func}")
+
+    with Refusing(), torch.inference_mode():
+        assert cow._probed() == ""
