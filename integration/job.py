@@ -157,7 +157,9 @@ def memory_paths(library: str) -> Dict[str, Callable[..., Pieces]]:
     if library == "torchmetrics":
         from torchmetrics.utilities.distributed import gather_all_tensors
 
-        return {"gather_all_tensors": lambda tensor: list_pieces(gather_all_tensors(tensor))}
+        return {"gather_all_tensors": lambda tensor: list_pieces(gather_all_tensors(tensor)),
+                "CatMetric.compute": _cat_metric_compute, "tensor state: Metric.compute": _tensor_state_compute,
+                "BinaryAUROC.compute": _auroc_compute}
     if library == "deepspeed":
         import deepspeed.comm as ds_comm
 
@@ -277,6 +279,70 @@ def torchmetrics_cases() -> Dict[str, Any]:
     total.update(torch.arange(5.0) * (RANK + 1))
     out["sum"] = total.compute()
     return out
+
+
+def _cat_metric(tensor: torch.Tensor) -> Any:
+    from torchmetrics.aggregation import CatMetric
+
+    metric = CatMetric()
+    metric.update(tensor)
+    return metric
+
+
+@with_input(_cat_metric)
+def _cat_metric_compute(metric: Any) -> Pieces:
+    """CatMetric.compute(): its list state synced (gather_all_tensors, then dim_zero_cat) and returned."""
+    return flat_pieces(metric.compute())
+
+
+def _tensor_state(tensor: torch.Tensor) -> Any:
+    from torchmetrics import Metric
+
+    class Collected(Metric):
+        """A tensor state of its own (as a custom metric keeps a histogram or a buffer of scores),
+        synced by torch.stack of the gathered states (dist_reduce_fx=None) and returned as it is."""
+
+        def __init__(self, size: int) -> None:
+            super().__init__()
+            self.add_state("values", default=torch.zeros(size), dist_reduce_fx=None)
+
+        def update(self, values: torch.Tensor) -> None:
+            self.values += values
+
+        def compute(self) -> torch.Tensor:
+            return self.values
+
+    metric = Collected(tensor.numel())
+    metric.update(tensor)
+    return metric
+
+
+@with_input(_tensor_state)
+def _tensor_state_compute(metric: Any) -> Pieces:
+    return list_pieces(metric.compute())
+
+
+def _auroc(tensor: torch.Tensor) -> Any:
+    from torchmetrics.classification import BinaryAUROC
+    from torchmetrics.utilities import dim_zero_cat
+
+    class KeptAUROC(BinaryAUROC):
+        """BinaryAUROC (exact: thresholds=None, list states), keeping the synced scores it computed on."""
+
+        def compute(self) -> torch.Tensor:
+            self.kept = dim_zero_cat(self.preds)
+            return super().compute()
+
+    metric = KeptAUROC()
+    metric.update(tensor, (tensor > 0.5).to(torch.uint8))
+    return metric
+
+
+@with_input(_auroc)
+def _auroc_compute(metric: Any) -> Pieces:
+    """BinaryAUROC.compute(): scores and targets synced, then the curve computed over all of them."""
+    metric.compute()
+    return flat_pieces(metric.__dict__.pop("kept"))
 
 
 # --- DeepSpeed: deepspeed.comm.all_gather with the slot layouts ZeRO and others use ---

@@ -91,8 +91,14 @@ def memory_paths() -> Dict[str, Callable[[torch.Tensor], job.Pieces]]:
         slots = [torch.empty_like(tensor) for _ in range(job.WORLD)]  # the caller's slots
         return job.list_pieces(collective.all_gather(slots, tensor))
 
+    def gather_all_tensors(tensor: torch.Tensor) -> job.Pieces:
+        # lightning_fabric's copy of torchmetrics' gather_all_tensors: the list returned, concatenated by the caller.
+        from lightning.fabric.utilities.distributed import _gather_all_tensors
+
+        return job.flat_pieces(torch.cat(_gather_all_tensors(tensor)))
+
     return {"Fabric.all_gather": fabric_all_gather, "Fabric.all_gather(sync_grads=True)": sync_grads,
-            "TorchCollective.all_gather": collective_all_gather}
+            "TorchCollective.all_gather": collective_all_gather, "_gather_all_tensors + cat": gather_all_tensors}
 
 
 # --- Fabric.all_gather ---
