@@ -1,0 +1,200 @@
+"""Each entry of the elision proof's tables, and each of its small rules, held by a call site of its own.
+
+Read statically (``memgather.patching.callsites``, as ``memgather doctor`` reads a library),
+in seconds: a fault in one entry (a cat, a factory, a frame reader forgotten or misspelt)
+changes one verdict here. The mutation run over the proof (``tox -e mutation``) uses these
+with tests/test_proof.py's static cases; the live behaviour of each kind of site is
+tests/test_proof.py's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import textwrap
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+
+from memgather.patching import callsites, proof
+
+_HEAD = """\
+import builtins
+import inspect
+import pdb
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d
+import torch.distributed.nn
+import torch.distributed.nn.functional
+
+"""
+_counter = itertools.count()
+
+
+def _sites(tmp_path: Path, body: str) -> List[callsites.CallSite]:
+    name = f"rule_{next(_counter)}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(_HEAD + textwrap.dedent(body))
+    return callsites.of_file(str(path), name)
+
+
+def _verdict(tmp_path: Path, body: str, qualname: str = "case") -> proof.Verdict:
+    [site] = [site for site in _sites(tmp_path, body) if site.qualname == qualname]
+    return site.verdict
+
+
+def _gatherer(make: str = "torch.empty_like(t)", gather: str = "dist.all_gather(slots, t)", after: str = "") -> str:
+    return f"""
+def case(t):
+    slots = [{make} for _ in range(2)]
+    {gather}
+    {after or "return torch.cat(slots)"}
+"""
+
+
+@pytest.mark.parametrize("cat", sorted(proof.CATS))
+def test_each_cat_is_a_hand_over(tmp_path: Path, cat: str) -> None:
+    found = _verdict(tmp_path, _gatherer(after=f"return {cat}(slots)"))
+    assert found.proven and not found.needs_cow, found
+
+
+@pytest.mark.parametrize("other", ["torch.hstack", "torch.vstack", "torch.row_stack", "sum"])
+def test_another_function_of_the_list_is_not(tmp_path: Path, other: str) -> None:
+    found = _verdict(tmp_path, _gatherer(after=f"return {other}(slots)"))
+    assert not found.proven and "not by a cat" in found.reason, found
+
+
+@pytest.mark.parametrize("cat", ["torch.cat(slots, 1)", "torch.cat(slots, dim=-1)", "torch.cat(slots, out=o)",
+                                 "torch.cat(*slots)", "torch.cat(slots, dim=d)", "torch.stack(slots, axis=0)"])
+def test_a_cat_other_than_along_dim_0_into_a_new_tensor_is_not(tmp_path: Path, cat: str) -> None:
+    found = _verdict(tmp_path, _gatherer(after=f"o = d = 0\n    return {cat}"))
+    assert not found.proven, found
+
+
+@pytest.mark.parametrize("gather", sorted(proof.GATHERS))
+def test_each_spelling_of_torchs_list_gather_is_a_gather(tmp_path: Path, gather: str) -> None:
+    found = _verdict(tmp_path, _gatherer(gather=f"{gather}(slots, t)"))
+    assert found.proven, found
+
+
+def test_a_gather_with_more_arguments_unpacked_is_still_read(tmp_path: Path) -> None:
+    found = _verdict(tmp_path, _gatherer(gather="dist.all_gather(slots, *rest)").replace("(t)", "(t, *rest)", 1))
+    assert found.proven, found
+
+
+@pytest.mark.parametrize("factory", sorted(proof.FACTORIES))
+def test_each_factory_makes_fresh_slots(tmp_path: Path, factory: str) -> None:
+    argument = "t" if factory.endswith("_like") else "t.shape"
+    found = _verdict(tmp_path, _gatherer(make=f"{factory}({argument})"))
+    assert found.proven, found
+
+
+@pytest.mark.parametrize("method", sorted(proof.FRESH_METHODS))
+def test_each_fresh_method_makes_fresh_slots(tmp_path: Path, method: str) -> None:
+    found = _verdict(tmp_path, _gatherer(make=f"t.{method}()"))
+    assert found.proven, found
+
+
+@pytest.mark.parametrize("make", ["torch.as_tensor(t)", "t.view(-1)", "t", "t.detach()", "torch.from_numpy(t)"])
+def test_anything_else_is_not_a_fresh_slot(tmp_path: Path, make: str) -> None:
+    found = _verdict(tmp_path, _gatherer(make=make))
+    assert not found.proven and "not a list of new tensors" in found.reason, found
+
+
+@pytest.mark.parametrize("returned", ["slots", "tuple(slots)", "list(slots)"])
+def test_a_forward_hands_its_list_on_whole(tmp_path: Path, returned: str) -> None:
+    body = f"""
+class Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        slots = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(slots, t)
+        return {returned}
+"""
+    [site] = _sites(tmp_path, body)
+    assert site.role == "forward" and site.verdict.proven, site
+
+
+@pytest.mark.parametrize("returned", ["sorted(slots)", "slots[:]", "set(slots)", "tuple(slots, )[0]"])
+def test_a_forward_that_hands_on_anything_else_is_not(tmp_path: Path, returned: str) -> None:
+    body = f"""
+class Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        slots = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(slots, t)
+        return {returned}
+"""
+    [site] = _sites(tmp_path, body)
+    assert site.role == "forward" and not site.verdict.proven, site
+
+
+@pytest.mark.parametrize("function", sorted(proof.FUNCTION_GATHERS))
+def test_each_spelling_of_the_all_gathering_function_is_received(tmp_path: Path, function: str) -> None:
+    body = f"""
+def case(t):
+    return torch.cat({function}(t))
+"""
+    [site] = _sites(tmp_path, body)
+    assert site.role == "receiver" and site.verdict.proven, site
+
+
+@pytest.mark.parametrize("reader", ["locals()", "vars()", "dir()", "exec('0')", "eval('0')", "breakpoint()"])
+def test_each_builtin_that_reads_the_frame_refuses(tmp_path: Path, reader: str) -> None:
+    found = _verdict(tmp_path, _gatherer(after=f"seen = {reader}\n    return torch.cat(slots)"))
+    assert not found.proven and "reads its own frame" in found.reason, found
+
+
+@pytest.mark.parametrize("reader", ["vars(t)", "dir(t)"])
+def test_vars_and_dir_of_an_object_read_no_frame(tmp_path: Path, reader: str) -> None:
+    found = _verdict(tmp_path, _gatherer(after=f"seen = {reader}\n    return torch.cat(slots)"))
+    assert found.proven, found
+
+
+@pytest.mark.parametrize("attribute", sorted(proof._FRAME_ATTRIBUTES))
+def test_each_attribute_that_reaches_frames_refuses(tmp_path: Path, attribute: str) -> None:
+    found = _verdict(tmp_path, _gatherer(after=f"seen = t.{attribute}\n    return torch.cat(slots)"))
+    assert not found.proven and f"reads frames (.{attribute})" in found.reason, found
+
+
+@pytest.mark.parametrize("reader", sorted(proof.FRAME_READERS))
+def test_each_frame_reader_under_another_name_refuses(tmp_path: Path, reader: str) -> None:
+    module, _, name = reader.rpartition(".")
+    body = f"""
+def case(t):
+    from {module} import {name} as innocent
+    slots = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(slots, t)
+    seen = innocent()
+    return torch.cat(slots)
+"""
+    found = _verdict(tmp_path, body)
+    assert not found.proven and f"reads its own frame ({reader})" in found.reason, found
+
+
+def test_a_use_after_the_cat_says_what_the_proof_rests_on(tmp_path: Path) -> None:
+    found = _verdict(tmp_path, _gatherer(after="result = torch.cat(slots)\n    return result, slots[0]"))
+    assert found.proven and found.needs_cow, found
+    assert found.reason.startswith("first used after the gather by the cat at line"), found
+    assert "slots is used again after line" in found.reason and "copy-on-write" in found.reason, found
+
+
+@pytest.mark.parametrize("replaced", ["slots[0] = t", "slots[dist.get_rank()] = t.clone()", "slots[-1] = None"])
+def test_a_returned_list_may_have_items_replaced(tmp_path: Path, replaced: str) -> None:
+    found = _verdict(tmp_path, _gatherer(after=f"{replaced}\n    return slots"))
+    assert found.proven and found.needs_cow and found.reason.startswith("returns the list at line"), found
+
+
+@pytest.mark.parametrize("use", ["slots[0] += 1", "slots[0:1] = [t]", "slots[0] = slots[1]", "slots[0].add_(1)",
+                                 "slots.append(t)", "slots[0], slots[1] = t, t", "x = slots[0]"])
+def test_a_returned_list_used_any_other_way_is_not(tmp_path: Path, use: str) -> None:
+    found = _verdict(tmp_path, _gatherer(after=f"{use}\n    return slots"))
+    assert not found.proven and "not by a cat" in found.reason, found
+
+
+def test_a_refusal_proves_nothing_else() -> None:
+    refused: Any = proof.refuse("why")
+    assert (refused.proven, refused.like_input, refused.needs_cow) == (False, False, False)
