@@ -26,7 +26,13 @@ Steps, each bounded in time, each recorded in one JSON summary whatever happens:
    without a device-to-host copy that would dwarf the difference); the median time per
    call, the ``max_memory_allocated`` / ``max_memory_reserved`` growth of one call, and
    per case the crossover: the size from which memgather's call is no slower than
-   torch's. It calibrates the NCCL threshold (docs/cuda.md, "The NCCL threshold").
+   torch's. It calibrates the NCCL threshold (docs/cuda.md, "The NCCL threshold");
+8. torch's copy-on-write on CUDA (``--only cow``), which an elided cat's result on CUDA
+   would rest on (on the CPU it does: ``memgather.cow``): whether a lazy clone of a CUDA
+   buffer is copy-on-write, what a write into either side on the current stream and on a
+   side stream leaves in the other, what a write under graph capture does, and the
+   ``memory_allocated`` cost of each (the clone, a write while both live, a write once the
+   other side is gone). Informational: memgather hands out the buffer itself on CUDA.
 
 memgather runs from this checkout (``PYTHONPATH``); ``MEMGATHER=1`` reaches the jobs
 through a site directory holding this checkout's ``memgather.pth``.
@@ -160,6 +166,67 @@ for name, (mine, theirs) in {"list": (memgather_list, torch_list), "cat": (memga
 dist.destroy_process_group()
 print(json.dumps(rows))
 """
+
+
+# torch's copy-on-write on CUDA: each fact printed as one JSON object on the last line.
+_COW = """
+import json, torch
+facts = {}
+mib = 1 << 20
+def grown(before):
+    torch.cuda.synchronize()
+    return (torch.cuda.memory_allocated() - before) // mib
+def fact(name, read):
+    try:
+        facts[name] = read()
+    except Exception as error:
+        facts[name] = f"{type(error).__name__}: {str(error)[:200]}"
+base = torch.arange(16 * mib // 4, dtype=torch.float32, device="cuda")
+slots = list(base.view(4, -1).unbind(0))
+expected = base.clone()
+before = torch.cuda.memory_allocated()
+clone = torch._lazy_clone(base)
+fact("clone_is_cow", lambda: bool(torch._C._is_cow_tensor(clone) and torch._C._is_cow_tensor(slots[0])))
+fact("clone_mib", lambda: grown(before))
+slots[1].mul_(-1)
+fact("write_into_slot_mib", lambda: grown(before))
+fact("clone_kept_its_values", lambda: bool(torch.equal(clone, expected)))
+expected = base.clone()
+side = torch.cuda.Stream()
+other = torch._lazy_clone(base)
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    torch.cuda._sleep(10_000_000)  # the side stream's write lands late: is the other side left alone?
+    other.add_(1)
+torch.cuda.current_stream().wait_stream(side)
+fact("side_stream_write_isolated", lambda: bool(torch.equal(base, expected) and torch.equal(other, expected + 1)))
+del other
+last = torch._lazy_clone(base)
+del base, slots
+before = torch.cuda.memory_allocated()
+last.add_(1)
+fact("write_once_alone_mib", lambda: grown(before))
+captured = torch._lazy_clone(last)
+def capture():
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    return "captured; the source kept its values: " + str(bool(last[0].item() != captured[0].item()))
+fact("write_under_capture", capture)
+from memgather import cow
+facts["memgather_cow_serves_cuda"] = cow.serves(last)
+print(json.dumps(facts))
+"""
+
+
+def cow_step() -> Dict[str, Any]:
+    """torch's copy-on-write on CUDA, fact by fact (informational: memgather does not use it there)."""
+    script = os.path.join(tempfile.mkdtemp(prefix="cow-"), "cow.py")
+    with open(script, "w") as out:
+        out.write(textwrap.dedent(_COW))
+    return _step("copy-on-write on CUDA", [sys.executable, script], 120)
 
 
 def overhead_step() -> Dict[str, Any]:
@@ -546,6 +613,7 @@ STEPS: Dict[str, Callable[[argparse.Namespace], Dict[str, Any]]] = {
     "two-ranks": lambda args: two_ranks_step(),
     "overhead": lambda args: overhead_step(),
     "sweep": lambda args: sweep_step(args.sizes),
+    "cow": lambda args: cow_step(),
 }
 
 
