@@ -16,6 +16,16 @@ streams and graph capture, and elision keeps its watched slots there.
 The probe runs once, at import, on a few bytes, outside every mode: a torch that
 lacks the function or behaves otherwise in any respect probed gets ``works()``
 False, and elision then never relies on it.
+
+One more fact is probed apart (``grows``): whether a copy-on-write storage that
+is grown (``resize_`` past its size, an ``out=`` of another size, a storage freed
+and allocated again) can be written afterwards. On torch 2.12 and 2.13 it cannot:
+its next write fails an internal assertion of torch's (``ctx != nullptr``,
+COW.cpp) unless it was written before the growth, even once the other side is
+gone. Nothing memgather can do from Python takes the memory over at the right
+moment (a storage's finalizer runs while its memory is still shared), so this
+stays a difference of an elided cat's result, said in docs/elision.md and by
+``memgather doctor``.
 """
 
 from __future__ import annotations
@@ -69,6 +79,18 @@ def _probe() -> str:
     return ""
 
 
+def _grows() -> bool:
+    """Whether a copy-on-write storage grown before any write can be written (torch 2.13: no)."""
+    assert _lazy_clone is not None  # asked only where the probe passed
+    clone = _lazy_clone(torch.zeros(4))
+    try:
+        clone.resize_(8)
+        clone.fill_(1)
+    except RuntimeError:
+        return False
+    return bool(clone.sum().item() == 8)
+
+
 def _probed() -> str:
     try:
         with torch.inference_mode(False), torch._C.DisableTorchFunction(), torch.no_grad():
@@ -77,9 +99,20 @@ def _probed() -> str:
         return f"the probe failed: {type(error).__name__}: {error}"
 
 
+def _probed_growth() -> bool:
+    if _WHY_NOT:
+        return False
+    try:
+        with torch.inference_mode(False), torch._C.DisableTorchFunction(), torch.no_grad():
+            return _grows()
+    except Exception:  # noqa: BLE001 - a probe that fails says the storage cannot be grown safely
+        return False
+
+
 _WHY_NOT = _probed()
 if _WHY_NOT:
     _log.debug("memgather: no copy-on-write elision: %s", _WHY_NOT)
+_GROWS = _probed_growth()
 
 
 def works() -> bool:
@@ -95,6 +128,11 @@ def why_not() -> str:
 def serves(tensor: torch.Tensor) -> bool:
     """Whether a snapshot of ``tensor`` can be a lazy clone: the probe passed, and it lies in CPU memory."""
     return not _WHY_NOT and tensor.device.type == "cpu"
+
+
+def grows() -> bool:
+    """Whether a copy-on-write storage can be grown before it is written (torch 2.12 and 2.13: no)."""
+    return _GROWS
 
 
 def snapshot(tensor: torch.Tensor) -> torch.Tensor:

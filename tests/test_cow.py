@@ -79,3 +79,20 @@ def test_the_probe_passes_this_torch_and_runs_outside_modes() -> None:
 
     with Refusing(), torch.inference_mode():
         assert cow._probed() == ""
+
+
+def test_the_growth_probe_says_what_this_torch_does() -> None:
+    """torch 2.12 and 2.13 cannot write a copy-on-write storage grown before any write: the probe
+    says so, and what it says is what torch does."""
+    if not cow.works():
+        assert not cow.grows()
+        return
+    clone = torch._lazy_clone(torch.zeros(4))
+    clone.resize_(8)
+    try:
+        clone.fill_(1)
+        grew = True
+    except RuntimeError as error:
+        assert "ctx != nullptr" in str(error)
+        grew = False
+    assert cow.grows() is grew

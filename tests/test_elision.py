@@ -370,3 +370,94 @@ def test_code_that_outlives_the_cat_sees_torchs_values(pools: Any) -> None:
         assert got["elided"] and not want["elided"], (got, want)
         assert {k: v for k, v in got.items() if k != "elided"} == {k: v for k, v in want.items() if k != "elided"}
         assert want["result"][:3] == [0.0, 10.0, 20.0] and want["slots"][0] == [-1.0] * 3, want
+
+
+def grown_after_the_cat(ctx: Any, how: str, write_first: bool) -> Dict[str, Any]:
+    """An elided cat's result grown afterwards, as torch lets a program grow any tensor: resized, an
+    ``out=`` of another size, its storage freed and allocated again (as FSDP does with its buffers);
+    ``write_first``: written once before it is grown."""
+    import warnings
+
+    from tests.sites import returned_lists
+
+    memgather.patch(["tests.sites.returned_lists"])
+    try:
+        t = filled(ctx.rank, (4096,))
+        memgather.reset_stats()
+        result = returned_lists.gather_cat(t)
+        elided = memgather.stats().elided
+        try:
+            if write_first:
+                result.add_(0)
+            if how == "resize":
+                result.resize_(result.numel() + 3)
+                result[-3:] = 7.0
+            elif how == "out":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # torch warns that it resizes a non-empty out=
+                    torch.add(torch.ones(3 * 4096), 1, out=result)
+            else:
+                nbytes = result.untyped_storage().nbytes()
+                result.untyped_storage().resize_(0)
+                result.untyped_storage().resize_(nbytes)
+                result.fill_(3.0)
+            result.add_(1)
+        except RuntimeError as error:
+            return {"elided": elided, "raised": str(error).splitlines()[0]}
+        return {"elided": elided, "raised": None, "values": result.tolist()}
+    finally:
+        memgather.unpatch()
+
+
+def grown_after_the_cat_under_torch(ctx: Any, how: str, write_first: bool) -> Dict[str, Any]:
+    with memgather.disabled():
+        return grown_after_the_cat(ctx, how, write_first)
+
+
+@pytest.mark.parametrize("write_first", [True, False], ids=["written_first", "grown_first"])
+@pytest.mark.parametrize("how", ["resize", "out", "storage"])
+def test_a_result_grown_after_the_cat(pools: Any, how: str, write_first: bool) -> None:
+    """Written first, an elided result grows as torch's does. Grown before any write, on a torch whose
+    copy-on-write cannot grow (2.12, 2.13: ``cow.grows()``), its next write fails torch's own assertion:
+    the difference docs/elision.md names."""
+    results = unwrap(pools(2, **EAGER).run(grown_after_the_cat, how, write_first))
+    plain = unwrap(pools(2, **EAGER).run(grown_after_the_cat_under_torch, how, write_first))
+    for got, want in zip(results, plain):
+        assert got["elided"] == int(cow.works()) and want["elided"] == 0 and want["raised"] is None, (got, want)
+        if write_first or cow.grows() or not cow.works():
+            assert got == {**want, "elided": got["elided"]}
+        else:
+            assert got["raised"] and "ctx != nullptr" in got["raised"], got
+
+
+def returned_list_uses(ctx: Any, calls: int, cat: bool) -> Dict[str, Any]:
+    """``calls`` gathers through a function that returns its list; the caller concatenates it (``cat``),
+    or reads each slot first. Which strategy each call took, and what the caller got."""
+    from tests.sites import returned_lists
+
+    memgather.patch(["tests.sites.returned_lists"])
+    try:
+        taken, values = [], []
+        for _ in range(calls):
+            memgather.reset_stats()
+            gathered = returned_lists.gather_all(filled(ctx.rank, (1 << 19,)))
+            result = torch.cat(gathered) if cat else torch.cat([slot * 1 for slot in gathered])
+            stats = memgather.stats()
+            taken.append((dict(stats.by_strategy), stats.elided))
+            values.append(float(result.sum()))
+        return {"taken": taken, "values": values}
+    finally:
+        memgather.unpatch()
+
+
+@pytest.mark.skipif(not cow.works(), reason="this torch has no copy-on-write clone")
+def test_a_returned_list_is_armed_while_its_callers_concatenate_it(pools: Any) -> None:
+    """Rebound and its cat elided while the callers concatenate; where they read the slots first, the
+    rebind would hold the replaced slot's part of the buffer for nothing: after two such calls more
+    than elided ones, the site's slots are filled where they lie, as without elision."""
+    with_cat = unwrap(pools(2, **EAGER).run(returned_list_uses, 4, True))
+    without = unwrap(pools(2, **EAGER).run(returned_list_uses, 4, False))
+    for catted, read in zip(with_cat, without):
+        assert catted["taken"] == [({"rebind": 1}, 1)] * 4, catted
+        assert read["taken"] == [({"rebind": 1}, 0)] * 2 + [({"in_slots": 1}, 0)] * 2, read
+        assert catted["values"] == read["values"]

@@ -38,6 +38,7 @@ lists them.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -107,6 +108,32 @@ _METADATA_PROPERTIES = frozenset(
 )
 
 
+class Cats:
+    """What became of one call site's armed gathers: how many a cat or stack returned, how many were
+    put to another use first. A function that returns its list arms the slots for a cat its caller
+    may not make; where it does not, the rebind holds the whole buffer while any slot lives, where
+    torch would have freed the slot the function replaced (``L[rank] = input``): such a site is
+    armed only while its callers concatenate at least about as often as not."""
+
+    __slots__ = ("elided", "refused")
+
+    def __init__(self) -> None:
+        self.elided = 0
+        self.refused = 0
+
+    def worth_arming(self) -> bool:
+        return self.refused <= self.elided + 1
+
+
+# The call site's record for the gather about to be armed on this thread (``expect``).
+_expected = threading.local()
+
+
+def expect(cats: Optional[Cats]) -> None:
+    """The next ``arm`` on this thread counts what becomes of its slots in ``cats`` (None: nowhere)."""
+    _expected.cats = cats
+
+
 class _Group:
     """The slots of one rebind, the buffer they tile, and the gather's input.
 
@@ -116,7 +143,7 @@ class _Group:
     very bytes gathered from it.
     """
 
-    __slots__ = ("flat", "refs", "shape", "live", "cow", "source")
+    __slots__ = ("flat", "refs", "shape", "live", "cow", "source", "cats")
 
     def __init__(self, flat: torch.Tensor, slots: List[torch.Tensor], tensor: Optional[torch.Tensor]) -> None:
         self.flat = flat
@@ -125,6 +152,9 @@ class _Group:
         self.live = True
         self.cow = cow.serves(flat)
         self.source = weakref.ref(tensor) if self.cow and type(tensor) is torch.Tensor else None
+        self.cats: Optional[Cats] = getattr(_expected, "cats", None)
+        if self.cats is not None:
+            _expected.cats = None
 
     def disarm(self) -> None:
         """Every slot of the group back to a plain tensor; no elision any more."""
@@ -247,6 +277,8 @@ def disarm(slot: torch.Tensor) -> None:
     """Turn an armed slot (and the rest of its group) back into a plain tensor."""
     group = slot.__dict__.get(_GROUP)
     if group is not None:
+        if group.live and group.cats is not None:
+            group.cats.refused += 1
         group.disarm()
     _make_plain(slot)
 
@@ -384,9 +416,19 @@ def _holds_what_was_gathered(group: _Group, source: torch.Tensor, index: int) ->
     part = group.flat.numel() // len(group.refs)
     try:
         gathered = group.flat.view(-1)[index * part : (index + 1) * part]
-        return bool(torch.equal(gathered.view(torch.uint8), source.reshape(-1).view(torch.uint8)))
+        given = source.reshape(-1)
+        for word in _WORDS:  # the widest integer both can be seen as: one pass, as fast as the memory reads
+            try:
+                return bool(torch.equal(gathered.view(word), given.view(word)))
+            except RuntimeError:  # a size or an offset that is no multiple of the word: a narrower one
+                continue
+        return False
     except RuntimeError:  # a dtype that cannot be seen as bytes: the cat copies
         return False
+
+
+# Integer dtypes to compare bytes as, widest first (every view of bytes as integers compares them exactly).
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def _alias_free(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
@@ -411,6 +453,8 @@ def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> 
         except RuntimeError:  # memory torch cannot share lazily (shared memory, another owner's): cat copies
             return None
         counters.record_elided()
+        if group.cats is not None:
+            group.cats.elided += 1
         group.disarm()
         return result
     counters.record_elided()

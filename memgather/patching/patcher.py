@@ -51,7 +51,7 @@ _wrapper: Optional[MemgatherWrapper] = None
 _installed: List[Tuple[Any, str, Any]] = []  # (owner, attribute, value it replaced)
 # Keyed by id(code), holding the code object so the id cannot be reused: code
 # objects compare by value, and two modules' identical functions are "equal".
-# elide? is None where the call site's own code decides (sites.elides, per call site). The
+# elide? is None where the call site's own code decides (sites.verdict and sites.dropped, per call site). The
 # sites hold the plan kept at each place the code gathers from, for its next call there
 # (memgather.engine.kept).
 _Decision = Tuple[CodeType, bool, Optional[bool], kept.Sites]
@@ -186,27 +186,47 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             site = known[3].at(place)
             elide, made_like = known[2], False
             if gatherer:
-                # The site's code, proven once: whether it drops the list after one cat (where the
+                # The site's code, proven once: whether it hands the list to one cat first (where the
                 # code decides elision), and whether it makes the slots like the input, which spares
                 # a kept plan two of its reads of each slot (proof.slots_like_input).
                 found = sites.verdict(frame, True, site)
                 # (Where a tracer may run code between the slots' making and the gather: read in full.)
                 made_like = found.like_input and not compat.code_between_statements()
-                if elide is None:
-                    elide = sites.dropped(found, *_list_and_tensor(args, kwargs))
-            elif elide is None:
-                elide = sites.elides(frame, *_list_and_tensor(args, kwargs), gatherer, site)
-            if site.kept is not None and len(args) == 2 and not kwargs:  # a loop's call, as most are written
-                done = core.rewire_kept(site, args, active.check, elide, active.verify, made_like)
-                if done is not core.NOT_TAKEN:
-                    return done
-            call = bind(args, kwargs, active.check, elide, active.verify)
-            if call is None:  # arguments torch's signature does not take: torch's own TypeError
-                return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
-            return core.handle(call, site, made_like)
+            if elide is None:
+                found = found if gatherer else sites.verdict(frame, False, site)
+                elide = sites.dropped(found, *_list_and_tensor(args, kwargs))
+                if elide and found.returned:
+                    return _armed_for_the_caller(site, args, kwargs, active, made_like)
+            return _carry_out(site, args, kwargs, active, elide, made_like)
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)
+
+
+def _armed_for_the_caller(site: Any, args: Any, kwargs: Any, active: _Active, made_like: bool) -> Any:
+    """A gather whose function returns its list: armed for the caller's cat while the site's callers
+    concatenate about as often as not (``elision.Cats``), the record handed to the arming."""
+    cats = site.cats
+    if cats is None:
+        cats = site.cats = elision.Cats()
+    elide = cats.worth_arming()
+    elision.expect(cats if elide else None)
+    try:
+        return _carry_out(site, args, kwargs, active, elide, made_like)
+    finally:
+        elision.expect(None)  # a call that armed nothing leaves no record to a later one
+
+
+def _carry_out(site: Any, args: Any, kwargs: Any, active: _Active, elide: bool, made_like: bool) -> Any:
+    """The call from ``site``, rewired: by its kept plan where one holds, else planned in full."""
+    if site.kept is not None and len(args) == 2 and not kwargs:  # a loop's call, as most are written
+        done = core.rewire_kept(site, args, active.check, elide, active.verify, made_like)
+        if done is not core.NOT_TAKEN:
+            return done
+    call = bind(args, kwargs, active.check, elide, active.verify)
+    if call is None:  # arguments torch's signature does not take: torch's own TypeError
+        return core.to_torch(Reason.BAD_ARGUMENTS, args, kwargs)
+    return core.handle(call, site, made_like)
 
 
 def _list_and_tensor(args: Any, kwargs: Any) -> Tuple[Any, Any]:
@@ -237,7 +257,7 @@ def _decide(frame: Any, active: _Active) -> Tuple[_Decision, Hashable]:
 
 def _decide_for(code: CodeType, found: List[Any], active: _Active) -> _Decision:
     """Whether to rewire a call made on behalf of ``found`` (innermost first), and to elide
-    (None: the call site's code decides, ``sites.elides``)."""
+    (None: the call site's code decides, ``sites.dropped``)."""
     report.remember_rank()
     for caller in found:  # the code that called, then (past a Function's forward) the code that applied it
         module = callers.module_of(caller)

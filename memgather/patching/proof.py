@@ -117,6 +117,7 @@ class Verdict:
     reason: str
     like_input: bool = False
     needs_cow: bool = False
+    returned: bool = False  # the list is returned: the caller's first use of the slots decides, at run time
 
 
 def refuse(reason: str) -> Verdict:
@@ -174,7 +175,8 @@ def gatherer(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:
     )
     if not returned.proven:
         return found
-    return replace(returned, reason=f"{returned.reason}: its first use by torch is checked at run time", needs_cow=True)
+    reason = f"{returned.reason}: its first use by torch is checked at run time"
+    return replace(returned, reason=reason, needs_cow=True, returned=True)
 
 
 def forward(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:

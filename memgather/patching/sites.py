@@ -56,22 +56,11 @@ _verdicts: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}
 _MISSING = object()
 
 
-def elides(
-    frame: Optional[FrameType], tensor_list: Any = None, tensor: Any = None, gatherer: bool = False, site: Any = None
-) -> bool:
-    """Whether a gather made from ``frame`` (the all_gather wrapper's caller) into ``tensor_list`` of
-    ``tensor`` is proven to hand its list to one cat first: the call site's code, and (checked on every
-    call) slots that nothing but the list holds, as fresh slots are. ``gatherer``: ``frame`` is known
-    to be the gathering frame itself, neither wrapt's nor memgather's nor a Function's forward (the
-    patcher's walk found it so).
-    ``site``: the ``memgather.engine.kept.Site`` of a gatherer's call, which holds the verdict for
-    its next call (``verdict``)."""
-    return dropped(verdict(frame, gatherer, site), tensor_list, tensor)
-
-
 def dropped(found: Verdict, tensor_list: Any, tensor: Any = None) -> bool:
-    """``elides`` from the call site's verdict, already at hand: a verdict that rests on a
-    copy-on-write result (``needs_cow``) holds only where the buffer will be in CPU memory."""
+    """Whether a gather into ``tensor_list`` of ``tensor`` from a call site with verdict ``found``
+    (``verdict``) is armed for a cat: the call site's code, and (checked on every call) slots that
+    nothing but the list holds, as fresh slots are. A verdict that rests on a copy-on-write result
+    (``needs_cow``) holds only where the buffer will be in CPU memory."""
     if not found.proven:
         return False
     if found.needs_cow and not (isinstance(tensor, torch.Tensor) and cow.serves(tensor)):

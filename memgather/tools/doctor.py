@@ -164,6 +164,11 @@ def elision_lines(elide: Optional[bool]) -> List[str]:
             "  the cat's result on the CPU: a copy-on-write snapshot of the buffer (torch._lazy_clone, probed at "
             "import): no later use of the slots or the result can tell it from torch.cat's copy"
         )
+        if not cow.grows():
+            lines.append(
+                "  this torch cannot grow a copy-on-write storage before its first write: growing an elided "
+                "result before anything wrote it fails torch's own assertion (ctx != nullptr) at its next write"
+            )
     else:
         lines.append(f"  the cat's result: the buffer itself, the slots watched until first used ({cow.why_not()})")
     # torch's own all-gathering Function, whose forward hands its slots to the code that applies it.
