@@ -110,10 +110,12 @@ _METADATA_PROPERTIES = frozenset(
 
 class Cats:
     """What became of one call site's armed gathers: how many a cat or stack returned, how many were
-    put to another use first. A function that returns its list arms the slots for a cat its caller
-    may not make; where it does not, the rebind holds the whole buffer while any slot lives, where
-    torch would have freed the slot the function replaced (``L[rank] = input``): such a site is
-    armed only while its callers concatenate at least about as often as not."""
+    put to another use first or dropped unused. A function that returns its list arms the slots for
+    a cat its caller may not make; where it does not, the rebind cost the slots their memory (fresh
+    pages to fault in, where slots made by zeros_like could have been filled where they lay) and
+    holds the whole buffer while any slot lives, where torch would have freed the slot the function
+    replaced (``L[rank] = input``): such a site is armed only while its callers concatenate at least
+    about as often as not."""
 
     __slots__ = ("elided", "refused")
 
@@ -155,6 +157,11 @@ class _Group:
         self.cats: Optional[Cats] = getattr(_expected, "cats", None)
         if self.cats is not None:
             _expected.cats = None
+
+    def __del__(self) -> None:
+        # Every slot gone while still armed: the gather's list was dropped without a cat.
+        if self.live and self.cats is not None:
+            self.cats.refused += 1
 
     def disarm(self) -> None:
         """Every slot of the group back to a plain tensor; no elision any more."""
