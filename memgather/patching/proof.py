@@ -45,6 +45,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 from memgather.patching import flow
 
 Resolve = Callable[[ast.expr], Optional[str]]
+# A rule over one read of the list: whether the node ``read`` stands in hands it over, or lets it pass.
+_Reading = Callable[["_Proof", "flow.Node", ast.Name], bool]
 
 CATS = frozenset(("torch.cat", "torch.concat", "torch.concatenate", "torch.stack"))
 GATHERS = frozenset(("torch.distributed.all_gather", "torch.distributed.distributed_c10d.all_gather"))
@@ -209,9 +211,9 @@ class _Proof:
     def gathered(
         self,
         call: ast.Call,
-        hand_over: Callable[["_Proof", flow.Node, ast.Name], bool],
+        hand_over: _Reading,
         done: str,
-        passes: Optional[Callable[["_Proof", flow.Node, ast.Name], bool]] = None,
+        passes: Optional[_Reading] = None,
         reuse: bool = False,
     ) -> Verdict:
         listed = gather_list(call)
@@ -238,10 +240,10 @@ class _Proof:
         graph: flow.Graph,
         starts: List[int],
         name: str,
-        hand_over: Callable[["_Proof", flow.Node, ast.Name], bool],
+        hand_over: _Reading,
         line: int,
         done: str,
-        passes: Optional[Callable[["_Proof", flow.Node, ast.Name], bool]] = None,
+        passes: Optional[_Reading] = None,
         reuse: bool = False,
     ) -> Verdict:
         """``_dropped_after``; where that refuses a use after the hand-over, whether the hand-over
@@ -499,10 +501,10 @@ class _Proof:
         graph: flow.Graph,
         starts: List[int],
         name: str,
-        hand_over: Callable[["_Proof", flow.Node, ast.Name], bool],
+        hand_over: _Reading,
         line: int,
         done: str,
-        passes: Optional[Callable[["_Proof", flow.Node, ast.Name], bool]] = None,
+        passes: Optional[_Reading] = None,
         reuse: bool = False,
     ) -> Verdict:
         """From ``starts`` the first read of ``name`` on every path is a hand-over, and (unless
