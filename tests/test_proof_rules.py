@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import itertools
+import re
 import textwrap
 from pathlib import Path
 from typing import Any, List
@@ -246,4 +247,20 @@ def test_a_frame_that_returns_the_value_as_it_is_passes_it_on(tmp_path: Path) ->
                                   "def helper(t):\n    hand(t)\n    return None\n"])
 def test_a_frame_that_does_anything_else_with_it_does_not(tmp_path: Path, body: str) -> None:
     found = _passes_on(tmp_path, body)
-    assert not found.proven and "does not return the gathered tensors as they are" in found.reason, found
+    assert not found.proven and re.match(r"line \d+: does not return the gathered tensors as they are$", found.reason)
+
+
+@pytest.mark.parametrize(
+    "body,why",
+    [
+        (_gatherer(gather="dist.all_gather(slots, slots[0])"), "slots is used again in the statement that gathers"),
+        (_gatherer(gather="slots = dist.all_gather(slots, t)"), "slots is used again in the statement that gathers"),
+        (_gatherer(gather="[dist.all_gather(slots, t) for _ in range(1)]"), "the gather is inside a comprehension"),
+        (_gatherer(gather="dist.all_gather(slots[:], t)"), "the gathered list is not a local name"),
+        (_gatherer(after="return torch.cat(slots), slots"), "slots is used after the gather at line"),
+    ],
+)
+def test_each_refusal_names_its_line_and_its_reason(tmp_path: Path, body: str, why: str) -> None:
+    found = _verdict(tmp_path, body)
+    assert not found.proven and re.match(r"line \d+: ", found.reason) and why in found.reason, found
+
