@@ -17,12 +17,13 @@ The probe runs once, at import, on a few bytes, outside every mode: a torch that
 lacks the function or behaves otherwise in any respect probed gets ``works()``
 False, and elision then never relies on it.
 
-One more fact is probed apart (``grows``): whether a copy-on-write storage that
-is grown (``resize_`` past its size, an ``out=`` of another size, a storage freed
-and allocated again) can be written afterwards. On torch 2.12 and 2.13 it cannot:
-its next write fails an internal assertion of torch's (``ctx != nullptr``,
-COW.cpp) unless it was written before the growth, even once the other side is
-gone. Nothing memgather can do from Python takes the memory over at the right
+One more fact is probed apart, when first asked (``grows``): whether a
+copy-on-write storage that is resized (``resize_`` past its size, an ``out=`` of
+another size, a storage freed and allocated again, even resized to its own size)
+can be written afterwards. On torch 2.12 and 2.13 it cannot: its next write, and
+anything that hands out a pointer to it, fails an internal assertion of torch's
+(``ctx != nullptr``, COW.cpp) unless it was written before the resize, even once
+the other side is gone. Nothing memgather can do from Python takes the memory over at the right
 moment (a storage's finalizer runs while its memory is still shared), so this
 stays a difference of an elided cat's result, said in docs/elision.md and by
 ``memgather doctor``.
@@ -112,7 +113,9 @@ def _probed_growth() -> bool:
 _WHY_NOT = _probed()
 if _WHY_NOT:
     _log.debug("memgather: no copy-on-write elision: %s", _WHY_NOT)
-_GROWS = _probed_growth()
+# Probed when first asked (doctor, the tests), not at import: on a torch that fails it, torch raises
+# its internal assertion, which TORCH_SHOW_CPP_STACKTRACES=1 makes slow to build and prints about.
+_GROWS: Optional[bool] = None
 
 
 def works() -> bool:
@@ -131,7 +134,10 @@ def serves(tensor: torch.Tensor) -> bool:
 
 
 def grows() -> bool:
-    """Whether a copy-on-write storage can be grown before it is written (torch 2.12 and 2.13: no)."""
+    """Whether a copy-on-write storage can be resized before it is written (torch 2.12 and 2.13: no)."""
+    global _GROWS
+    if _GROWS is None:
+        _GROWS = _probed_growth()
     return _GROWS
 
 

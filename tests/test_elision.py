@@ -392,6 +392,8 @@ def grown_after_the_cat(ctx: Any, how: str, write_first: bool) -> Dict[str, Any]
             if how == "resize":
                 result.resize_(result.numel() + 3)
                 result[-3:] = 7.0
+            elif how == "same_size":
+                result.untyped_storage().resize_(result.untyped_storage().nbytes())
             elif how == "out":
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # torch warns that it resizes a non-empty out=
@@ -415,7 +417,7 @@ def grown_after_the_cat_under_torch(ctx: Any, how: str, write_first: bool) -> Di
 
 
 @pytest.mark.parametrize("write_first", [True, False], ids=["written_first", "grown_first"])
-@pytest.mark.parametrize("how", ["resize", "out", "storage"])
+@pytest.mark.parametrize("how", ["resize", "out", "storage", "same_size"])
 def test_a_result_grown_after_the_cat(pools: Any, how: str, write_first: bool) -> None:
     """Written first, an elided result grows as torch's does. Grown before any write, on a torch whose
     copy-on-write cannot grow (2.12, 2.13: ``cow.grows()``), its next write fails torch's own assertion:
@@ -461,3 +463,20 @@ def test_a_returned_list_is_armed_while_its_callers_concatenate_it(pools: Any) -
         assert catted["taken"] == [({"rebind": 1}, 1)] * 4, catted
         assert read["taken"] == [({"rebind": 1}, 0)] * 2 + [({"in_slots": 1}, 0)] * 2, read
         assert catted["values"] == read["values"]
+
+
+def test_a_call_sites_record_weighs_its_callers_latest_uses() -> None:
+    """elision.Cats: armed while the callers concatenate about as often as not; else a trial call in
+    TRIAL; past WINDOW outcomes the counts halve, so callers that have changed are followed."""
+    from memgather.engine.elision import Cats
+
+    cats = Cats()
+    assert cats.worth_arming()
+    cats.count(elided=False)
+    assert cats.worth_arming()  # one use other than a cat: still armed
+    cats.count(elided=False)
+    armed = [cats.worth_arming() for _ in range(2 * Cats.TRIAL)]
+    assert armed.count(True) == 2 and armed[Cats.TRIAL - 1] and armed[-1], armed  # the trials only
+    for _ in range(Cats.WINDOW):  # the callers now concatenate every time
+        cats.count(elided=True)
+    assert cats.worth_arming() and cats.elided + cats.refused < Cats.WINDOW, (cats.elided, cats.refused)

@@ -115,16 +115,37 @@ class Cats:
     pages to fault in, where slots made by zeros_like could have been filled where they lay) and
     holds the whole buffer while any slot lives, where torch would have freed the slot the function
     replaced (``L[rank] = input``): such a site is armed only while its callers concatenate at least
-    about as often as not."""
+    about as often as not, recent outcomes weighing most (``WINDOW``), and, where they do not, still
+    once in ``TRIAL`` calls, so that callers that have changed are seen. A list kept with its slots
+    untouched counts as neither."""
 
-    __slots__ = ("elided", "refused")
+    __slots__ = ("elided", "refused", "skipped")
+
+    # Past this many outcomes both counts are halved: what the callers do now weighs most.
+    WINDOW = 16
+    # A site not worth arming is armed for a trial once in this many calls: its callers may have changed.
+    TRIAL = 8
 
     def __init__(self) -> None:
         self.elided = 0
         self.refused = 0
+        self.skipped = 0
 
     def worth_arming(self) -> bool:
-        return self.refused <= self.elided + 1
+        if self.refused <= self.elided + 1:
+            return True
+        self.skipped += 1
+        return self.skipped % self.TRIAL == 0
+
+    def count(self, elided: bool) -> None:
+        """One armed gather's outcome: its slots concatenated (``elided``), or not."""
+        if elided:
+            self.elided += 1
+        else:
+            self.refused += 1
+        if self.elided + self.refused >= self.WINDOW:
+            self.elided //= 2
+            self.refused //= 2
 
 
 # The call site's record for the gather about to be armed on this thread (``expect``).
@@ -161,7 +182,7 @@ class _Group:
     def __del__(self) -> None:
         # Every slot gone while still armed: the gather's list was dropped without a cat.
         if self.live and self.cats is not None:
-            self.cats.refused += 1
+            self.cats.count(elided=False)
 
     def disarm(self) -> None:
         """Every slot of the group back to a plain tensor; no elision any more."""
@@ -285,7 +306,7 @@ def disarm(slot: torch.Tensor) -> None:
     group = slot.__dict__.get(_GROUP)
     if group is not None:
         if group.live and group.cats is not None:
-            group.cats.refused += 1
+            group.cats.count(elided=False)
         group.disarm()
     _make_plain(slot)
 
@@ -461,7 +482,7 @@ def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> 
             return None
         counters.record_elided()
         if group.cats is not None:
-            group.cats.elided += 1
+            group.cats.count(elided=True)
         group.disarm()
         return result
     counters.record_elided()
