@@ -264,3 +264,93 @@ def test_each_refusal_names_its_line_and_its_reason(tmp_path: Path, body: str, w
     found = _verdict(tmp_path, body)
     assert not found.proven and re.match(r"line \d+: ", found.reason) and why in found.reason, found
 
+
+
+# Ways the list escapes or is bound other than by the function's own fresh list: each refused, by
+# the rule that names it (the kinds of binding a fault could forget: for, with, +=, :=, a parameter).
+ESCAPES = {
+    "walrus_in_if": ("if (slots := [torch.empty_like(t) for _ in range(2)]):\n        pass", "bound by :="),
+    "global": ("global slots", "declared global"),  # (stated first: Python wants it before any binding)
+    "closure": ("keep = lambda: slots", "captured by a nested function"),
+    "nested_def": ("def keep():\n        return slots", "captured by a nested function"),
+    "comprehension": ("sizes = [s.shape for s in slots]", "read inside a comprehension"),
+    "generator": ("sizes = list(s.shape for s in slots)", "read inside a comprehension"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_each_escape_of_the_list_is_refused(tmp_path: Path, name: str) -> None:
+    line, why = ESCAPES[name]
+    first, then = (line, "") if name == "global" else ("", line)
+    body = f"""
+def case(t):
+    {first}
+    slots = [torch.empty_like(t) for _ in range(2)]
+    {then}
+    dist.all_gather(slots, t)
+    return torch.cat(slots)
+"""
+    found = _verdict(tmp_path, body)
+    assert not found.proven and why in found.reason and re.match(r"line \d+: ", found.reason), found
+
+
+REBOUND = {
+    "for": "for slots in [[torch.empty_like(t)] * 2]:\n        pass",
+    "with": "with contextlib.nullcontext([t, t]) as slots:\n        pass",
+    "augmented": "slots += [torch.empty_like(t)]",
+    "parameter_on_one_path": "if flag:\n        slots = [torch.empty_like(t) for _ in range(2)]",
+    "tuple_target": "slots, other = [torch.empty_like(t)] * 2, None",
+    "annotated_alone": "slots: list",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REBOUND))
+def test_a_list_bound_to_anything_but_fresh_slots_on_some_path_is_refused(tmp_path: Path, name: str) -> None:
+    body = f"""
+import contextlib
+
+
+def case(t, flag=True, slots=None):
+    {"slots = [torch.empty_like(t) for _ in range(2)]" if name not in ("parameter_on_one_path", "annotated_alone") else ""}
+    {REBOUND[name]}
+    dist.all_gather(slots, t)
+    return torch.cat(slots)
+"""
+    found = _verdict(tmp_path, body)
+    assert not found.proven and re.match(r"(line \d+: )?slots is ", found.reason), found
+
+
+def test_a_cat_inside_a_loop_is_the_first_use_only_where_every_path_enters_it(tmp_path: Path) -> None:
+    entered = """
+def case(t):
+    slots = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(slots, t)
+    while True:
+        out = torch.cat(slots)
+        break
+    return out
+"""
+    found = _verdict(tmp_path, entered)
+    assert found.proven and not found.needs_cow, found
+    maybe = entered.replace("while True:", "while t.numel() > 3:").replace("return out", "return slots")
+    found = _verdict(tmp_path, maybe)
+    assert not found.proven and "not by a cat" in found.reason, found  # the loop may not run: the return reads it
+
+
+def test_a_continue_through_a_finally_reaches_the_next_iterations_gather(tmp_path: Path) -> None:
+    """The next iteration gathers into the list the cat already used: a read before its gather."""
+    body = """
+def case(t):
+    slots = [torch.empty_like(t) for _ in range(2)]
+    outs = []
+    for _ in range(2):
+        try:
+            dist.all_gather(slots, t)
+            outs.append(torch.cat(slots))
+            continue
+        finally:
+            pass
+    return outs
+"""
+    found = _verdict(tmp_path, body)
+    assert not found.proven and "used before the gather" in found.reason, found
