@@ -354,3 +354,30 @@ def case(t):
 """
     found = _verdict(tmp_path, body)
     assert not found.proven and "used before the gather" in found.reason, found
+
+
+# After the cat, a statement that binds the list's name anew: the read that follows is of the new
+# object (dropped after the cat); one that binds another name leaves the read a use of the list.
+# A match's capture binds only in its case: the read is made there.
+REBINDS = {
+    "def": "def {n}():\n        return 0\n    return result, slots",
+    "class": "class {n}:\n        pass\n    return result, slots",
+    "import": "import os as {n}\n    return result, slots",
+    "import_dotted": "import os.path as {n}\n    return result, slots",
+    "from_import": "from os import path as {n}\n    return result, slots",
+    "assign": "{n} = None\n    return result, slots",
+    "match_capture": "match 0:\n        case {n}:\n            return result, slots\n    return result",
+    "match_star": "match []:\n        case [*{n}]:\n            return result, slots\n    return result",
+    "match_rest": "match {{}}:\n        case {{**{n}}}:\n            return result, slots\n    return result",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REBINDS))
+@pytest.mark.parametrize("same", [True, False], ids=["the_list", "another_name"])
+def test_a_binding_after_the_cat_ends_the_list_only_where_it_binds_its_name(
+    tmp_path: Path, kind: str, same: bool
+) -> None:
+    rest = REBINDS[kind].format(n="slots" if same else "other")
+    found = _verdict(tmp_path, _gatherer(after=f"result = torch.cat(slots)\n    {rest}"))
+    assert found.proven, found
+    assert found.needs_cow is not same, found  # a read of the list itself after the cat needs copy-on-write
