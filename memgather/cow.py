@@ -32,7 +32,7 @@ stays a difference of an elided cat's result, said in docs/elision.md and by
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -40,12 +40,11 @@ _log = logging.getLogger("memgather")
 
 _lazy_clone: Optional[Callable[[torch.Tensor], torch.Tensor]] = getattr(torch, "_lazy_clone", None)
 _is_cow: Optional[Callable[[torch.Tensor], bool]] = getattr(torch._C, "_is_cow_tensor", None)
-_use_count: Optional[Callable[[Any], int]] = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _probe() -> str:
     """Why this torch's lazy clone is not the copy-on-write elision needs ("" where it is)."""
-    if _lazy_clone is None or _is_cow is None or _use_count is None:
+    if _lazy_clone is None or _is_cow is None:
         return "this torch has no torch._lazy_clone"
     # The buffer and its slots (views) on one side, the clone on the other, as at an elided cat.
     buffer = torch.arange(8, dtype=torch.float32)

@@ -403,7 +403,7 @@ def _invisible(group: _Group, tensors: Sequence[torch.Tensor], swapped: int) -> 
         and group.flat.is_inference() == torch.is_inference_mode_enabled()
         and not compat.dispatch_mode_active()  # a dispatch mode would miss the aten::cat
         and not compat.is_compiling()
-        and _alias_free(group, tensors)
+        and _alias_free(group)
         and (swapped == _NONE_SWAPPED or _holds_what_was_gathered(group, tensors[swapped], swapped))
     )
 
@@ -459,7 +459,7 @@ def _holds_what_was_gathered(group: _Group, source: torch.Tensor, index: int) ->
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def _alias_free(group: _Group, tensors: Sequence[torch.Tensor]) -> bool:
+def _alias_free(group: _Group) -> bool:
     """Nothing but memgather's buffer tensor and the live slots holds the storage, and no C++ handle
     holds a slot (the one the input replaced in the list too, while it lives)."""
     live = [slot for slot in (ref() for ref in group.refs) if slot is not None]
@@ -480,14 +480,13 @@ def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> 
                 result = cow.snapshot(result)
         except RuntimeError:  # memory torch cannot share lazily (shared memory, another owner's): cat copies
             return None
-        counters.record_elided()
-        if group.cats is not None:
-            group.cats.count(elided=True)
-        group.disarm()
-        return result
     counters.record_elided()
-    compat.set_version(result, 0)  # a fresh result, as torch.cat's
+    if group.cats is not None:
+        group.cats.count(elided=True)
     group.disarm()
+    if group.cow:
+        return result
+    compat.set_version(result, 0)  # a fresh result, as torch.cat's
     for slot in tensors:
         slot.__class__ = GivenSlot
         _given[id(slot)] = _finalizer(slot, _given.pop, id(slot), None)

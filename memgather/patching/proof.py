@@ -169,12 +169,11 @@ def gatherer(function: ast.AST, call: ast.Call, resolve: Resolve) -> Verdict:
     """The function gathers into a list with ``call``; its first use after the gather must be one
     cat (dropped after it, or, ``needs_cow``, used again), else the list must be returned (``needs_cow``)
     with nothing done to it on the way but items replaced (``L[i] = x``)."""
-    found = _Proof(function, resolve).gathered(call, _cat_node, "drops the list after the cat")
+    proof = _Proof(function, resolve)
+    found = proof.gathered(call, _cat_node, "drops the list after the cat")
     if found.proven:
         return found
-    returned = _Proof(function, resolve).gathered(
-        call, _returned_whole, "returns the list", passes=_item_replaced, reuse=True
-    )
+    returned = proof.gathered(call, _returned_whole, "returns the list", passes=_item_replaced, reuse=True)
     if not returned.proven:
         return found
     reason = f"{returned.reason}: its first use by torch is checked at run time"

@@ -162,12 +162,11 @@ def elision_lines(elide: Optional[bool]) -> List[str]:
     if cow.works():
         lines.append(
             "  the cat's result on the CPU: a copy-on-write snapshot of the buffer (torch._lazy_clone, probed at "
-            "import): no later use of the slots or the result can tell it from torch.cat's copy, but for "
-            "what the next line says where it applies"
+            "import): no later use of the slots or the result can tell it from torch.cat's copy"
         )
         if not cow.grows():
             lines.append(
-                "  this torch cannot resize a copy-on-write storage before its first write: resizing an elided "
+                "  but this torch cannot resize a copy-on-write storage before its first write: resizing an elided "
                 "result's storage (or a slot's) before anything wrote it fails torch's own assertion "
                 "(ctx != nullptr) at its next write or pointer read"
             )
