@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -135,10 +135,46 @@ def _parse_gloo_route(value: str) -> str:
     return route
 
 
+@dataclass(frozen=True)
+class Exported:
+    """What ``export`` wrote to ``os.environ`` (``written``) and the values it wrote over (``previous``).
+
+    The user's own settings are the environment less memgather's writes: a name that
+    still holds what memgather wrote reads as it was before, so that a second
+    ``patch()`` is configured by the user's environment and its own arguments, not by
+    what the first one was given. A name the user has set since keeps the user's value.
+    """
+
+    previous: Mapping[str, Optional[str]]
+    written: Mapping[str, str]
+
+    def users_environment(self) -> Dict[str, str]:
+        """``os.environ`` with memgather's writes taken back out."""
+        environ = dict(os.environ)
+        for name, value in self.previous.items():
+            if environ.get(name) != self.written[name]:
+                continue  # set by the user since: theirs
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = value
+        return environ
+
+
 def export(
-    enabled: bool, targets: Tuple[str, ...], check: bool, force: bool, elide: Optional[bool], verify: bool = False
-) -> Mapping[str, Optional[str]]:
-    """Write settings to ``os.environ`` so spawned children re-patch; returns the previous values."""
+    enabled: bool,
+    targets: Tuple[str, ...],
+    check: bool,
+    force: bool,
+    elide: Optional[bool],
+    verify: bool = False,
+    over: Optional[Exported] = None,
+) -> Exported:
+    """Write settings to ``os.environ`` so spawned children re-patch.
+
+    ``over``: what an earlier ``export`` of the same patch wrote; the values it wrote
+    over, not its own, are kept as the ones to restore.
+    """
     values = {
         "MEMGATHER": "1" if enabled else "0",
         "MEMGATHER_TARGETS": ",".join(targets),
@@ -147,14 +183,17 @@ def export(
         "MEMGATHER_ELIDE": "" if elide is None else ("1" if elide else "0"),
         "MEMGATHER_VERIFY": "1" if verify else "0",
     }
-    previous = {name: os.environ.get(name) for name in values}
+    users = os.environ if over is None else over.users_environment()
+    previous = {name: users.get(name) for name in values}
     os.environ.update(values)
-    return previous
+    return Exported(previous, values)
 
 
-def restore(previous: Mapping[str, Optional[str]]) -> None:
-    """Undo ``export``."""
-    for name, value in previous.items():
+def restore(exported: Exported) -> None:
+    """Undo ``export``: each name that still holds what it wrote gets its earlier value back."""
+    for name, value in exported.previous.items():
+        if os.environ.get(name) != exported.written[name]:
+            continue  # set by the user since the export: left as they set it
         if value is None:
             os.environ.pop(name, None)
         else:

@@ -89,6 +89,48 @@ def test_patch_exports_settings_and_unpatch_restores_them(monkeypatch: pytest.Mo
     assert "MEMGATHER_VERIFY" not in os.environ
 
 
+def test_what_a_patch_was_given_ends_with_the_next_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second patch() reads the environment as the user left it, not what the first one exported:
+    arguments it leaves out fall back to the user's settings, and children see the second patch's."""
+    import os
+    import subprocess
+
+    from memgather.engine import core
+
+    monkeypatch.setenv("MEMGATHER_CHECK", "1")
+    memgather.patch(["mypkg"], elide=True, force=True, verify=True, check=False)
+    assert os.environ["MEMGATHER_ELIDE"] == "1" and os.environ["MEMGATHER_CHECK"] == "0"
+    memgather.patch()
+    settings = core.settings()
+    assert (settings.elide, settings.force, settings.verify, settings.check) == (None, False, False, True)
+    assert settings.targets == patcher.registry.select(None).names  # every built-in, not the first call's
+    assert os.environ["MEMGATHER_ELIDE"] == "" and os.environ["MEMGATHER_CHECK"] == "1"
+    child = subprocess.run(
+        [sys.executable, "-c", "from memgather.engine import core; import memgather; s = core.settings();"
+         " print(memgather.is_patched(), s.elide, s.force, s.check)"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )
+    assert child.stdout.split()[-4:] == ["True", "None", "False", "True"]
+    memgather.unpatch()
+    assert os.environ["MEMGATHER_CHECK"] == "1"
+    assert all(name not in os.environ for name in ("MEMGATHER", "MEMGATHER_ELIDE", "MEMGATHER_FORCE"))
+
+
+def test_a_setting_the_user_makes_while_patched_is_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name the user sets after patch() is read by the next patch() and left alone by unpatch()."""
+    import os
+
+    from memgather.engine import core
+
+    memgather.patch(["mypkg"], elide=True)
+    os.environ["MEMGATHER_ELIDE"] = "0"
+    memgather.patch(["mypkg"])
+    assert core.settings().elide is False
+    memgather.unpatch()
+    assert os.environ["MEMGATHER_ELIDE"] == "0"
+    del os.environ["MEMGATHER_ELIDE"]
+
+
 def test_kill_switch_makes_patch_a_no_op(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("MEMGATHER", "0")
     with caplog.at_level("INFO", logger="memgather"):

@@ -60,7 +60,7 @@ _decisions: Dict[int, _Decision] = {}  # id -> (code, rewire?, elide?, sites): t
 # objects the walk found, holding them for the same reason.
 _chains: Dict[Tuple[int, ...], Tuple[Tuple[CodeType, ...], _Decision]] = {}
 # What the first patch() replaced: the environment it exported over, and the engine's settings.
-_exported: Optional[Tuple[Dict[str, Optional[str]], config.Settings]] = None
+_exported: Optional[Tuple[config.Exported, config.Settings]] = None
 _hooked: set = set()
 _announced: set = set()
 
@@ -85,12 +85,15 @@ def patch(
     proven to drop the list after one cat, see docs/elision.md). ``verify``: also run the original
     all_gather for every rewired call and raise ``VerifyError`` where the
     results differ, for test runs (default ``MEMGATHER_VERIFY``). Idempotent and thread-safe; calling
-    it again replaces the settings. Also exports the settings to the
-    environment, so spawned children re-patch. Returns False, doing nothing,
-    when ``MEMGATHER=0``.
+    it again replaces the settings: what an earlier call was given ends there, and
+    an argument left out is read from the environment as the user set it. Also
+    exports the settings to the environment, so spawned children re-patch as
+    this process did; ``unpatch()`` takes them back out. Returns False, doing
+    nothing, when ``MEMGATHER=0``.
     """
     global _active, _exported
-    settings = config.load()
+    # The user's environment, not what an earlier patch() exported: its arguments end with it.
+    settings = config.load(None if _exported is None else _exported[0].users_environment())
     _configure_logging(settings.log_level)
     if settings.enabled is False:
         _log.info("MEMGATHER=0: patch() does nothing")
@@ -126,9 +129,16 @@ def patch(
         sites.forget()
         _active = active
         # Spawned children read the environment at start-up, and so re-patch as this process did.
-        previous = config.export(True, selection.names, active.check, active.force, active.elide, active.verify)
-        if _exported is None:
-            _exported = (dict(previous), before)
+        written = config.export(
+            True,
+            selection.names,
+            active.check,
+            active.force,
+            active.elide,
+            active.verify,
+            over=None if _exported is None else _exported[0],
+        )
+        _exported = (written, before if _exported is None else _exported[1])
         _hook_targets(selection)
         report.install(settings.report)
     _log.info("memgather patched all_gather for %s", ", ".join(selection.names) or "no targets")
