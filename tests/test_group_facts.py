@@ -75,24 +75,25 @@ def test_a_call_working_out_its_group_while_configure_runs_keeps_nothing_from_be
     """A thread paused inside work_out, after it read the thresholds, while another's patch() sets new
     ones: its entry must not outlive that configure() (the later calls here were left to torch)."""
     out = run_on_fake("""
-        import threading, time
+        import threading
         from memgather import config
         from memgather.engine import routes
         t = torch.ones(16 << 10)  # 64 KiB per rank: under the default 1 MiB threshold
         call = lambda: memgather.all_gather([torch.empty_like(t), torch.empty_like(t)], t)
         call()  # the group described
         core.configure(config.Settings())  # what it takes forgotten, as by any patch()
-        original, paused = routes.choose, threading.Event()
-        def slow_choose(*args, **kwargs):  # work_out calls it after reading the thresholds
+        original, paused, resumed = routes.choose, threading.Event(), threading.Event()
+        def held_choose(*args, **kwargs):  # work_out calls it after reading the thresholds
             if threading.current_thread().name == "worker":
                 paused.set()
-                time.sleep(0.2)
+                assert resumed.wait(timeout=60)  # until the other thread has re-configured
             return original(*args, **kwargs)
-        routes.choose = slow_choose
+        routes.choose = held_choose
         worker = threading.Thread(target=call, name="worker")
         worker.start()
-        assert paused.wait(timeout=5)
+        assert paused.wait(timeout=60)
         core.configure(config.Settings(nccl_min_bytes=0))  # another thread's patch(): rewire everything
+        resumed.set()
         worker.join()
         routes.choose = original
         memgather.reset_stats()

@@ -40,15 +40,15 @@ def test_confined_to_its_thread() -> None:
     def opted_out() -> None:
         with memgather.disabled():
             entered.set()
-            release.wait(10)
+            release.wait(60)
             inside.append(is_disabled())
 
     thread = threading.Thread(target=opted_out)
     thread.start()
-    entered.wait(10)
+    assert entered.wait(60)
     assert not is_disabled()  # the other thread's opt-out does not leak here
     release.set()
-    thread.join(10)
+    thread.join(60)
     assert inside == [True]
 
 
