@@ -219,6 +219,11 @@ def _unhooked(tensor: torch.Tensor, read: Callable[[torch.Tensor], Any]) -> Any:
         return read(tensor)
 
 
+def nbytes(tensor: torch.Tensor) -> int:
+    """``tensor.numel() * tensor.element_size()``, read with no subclass hook run (torch's call reads neither)."""
+    return int(_unhooked(tensor, lambda t: t.numel() * t.element_size()))
+
+
 def _find_storage_ptr() -> Callable[[torch.Tensor], int]:
     if hasattr(torch.Tensor, "untyped_storage"):
         return lambda tensor: tensor.untyped_storage().data_ptr()
@@ -573,6 +578,19 @@ def _find_increment_versions() -> Callable[[Sequence[torch.Tensor]], None]:
 
 # One call for all the slots of a gather: what torch's list call leaves, one bump per slot.
 increment_versions: Callable[[Sequence[torch.Tensor]], None] = _find_increment_versions()
+
+# A write steps its tensor's version counter in the ADInplaceOrView kernel, which a thread may
+# exclude (torch._C._AutoDispatchBelowADInplaceOrView, an ExcludeDispatchKeyGuard of the key):
+# torch's list call then leaves the slots' counters where they were.
+_ad_inplace_or_view = getattr(torch._C.DispatchKey, "ADInplaceOrView", None)
+_tls_excludes = getattr(torch._C, "_dispatch_tls_is_dispatch_key_excluded", None)
+
+
+def writes_counted() -> bool:
+    """Whether an in-place write made now, on this thread, steps the version counter of what it writes."""
+    if _ad_inplace_or_view is None or _tls_excludes is None:
+        return True
+    return not _tls_excludes(_ad_inplace_or_view)
 
 
 def not_a_group(group: Any) -> bool:

@@ -165,6 +165,7 @@ def _one_case(ctx: Any, case: Dict[str, Any]) -> Dict[str, Any]:
     snapshot = memgather.stats()
     if ref_raised or got_raised:
         return {"member": member, "raised": [ref_raised, got_raised]}
+    answers = [work_answers(ref_return, ref_slots), work_answers(got_return, slots)]
     # A rank outside the group must find its slots untouched (their bytes may
     # be uninitialised, so they cannot be compared with the reference's).
     expected_bytes = [as_bytes(a) for a in ref_slots] if member else before
@@ -174,13 +175,35 @@ def _one_case(ctx: Any, case: Dict[str, Any]) -> Dict[str, Any]:
         "equal": expected_bytes == [as_bytes(b) for b in slots],
         "meta_equal": [(a.shape, a.dtype, a.stride()) for a in ref_slots]
         == [(b.shape, b.dtype, b.stride()) for b in slots],
-        "return_kind": (type(ref_return).__name__, type(got_return).__name__),
+        "return_kind": (_kind(ref_return), _kind(got_return)),
+        "work_answers": answers,
         "identity_kept": [id(s) for s in slots] == ids,
         "versions_bumped": all(s._version > v for s, v in zip(slots, versions)),
         "strategy": dict(snapshot.by_strategy),
         "route": dict(snapshot.by_route),
         "fallbacks": dict(snapshot.fallbacks),
         "one_buffer": len({compat.storage_ptr(s) for s in slots}) == 1,
+    }
+
+
+def _kind(returned: Any) -> str:
+    # memgather's work object is a subclass of torch's (its result() answers with the slots)
+    return "Work" if isinstance(returned, dist.Work) else type(returned).__name__
+
+
+def work_answers(work: Any, slots: List[torch.Tensor]) -> Any:
+    """What an async call's work answers, as a program can observe it: whether ``result()`` and the
+    future's value are the slot objects themselves, and whose version a write through them steps."""
+    if not isinstance(work, dist.Work):
+        return None
+    result, value = work.result(), work.get_future().wait()
+    before = [s._version for s in slots]
+    for tensor in result:
+        tensor.copy_(tensor)  # a write through the result: the slot's own counter steps under torch
+    return {
+        "result_is_slots": [a is b for a, b in zip(result, slots)] + [len(result) == len(slots)],
+        "value_is_slots": [a is b for a, b in zip(value, slots)] + [len(value) == len(slots)],
+        "versions_stepped": [s._version - v for s, v in zip(slots, before)],
     }
 
 

@@ -152,6 +152,7 @@ def test_matches_torch_bit_for_bit(pools: Any, case: Dict[str, Any], threshold: 
         assert got["meta_equal"], f"rank {rank}: slot shapes or dtypes differ from torch's"
         assert got["identity_kept"], f"rank {rank}: the caller's tensor objects were replaced"
         assert got["return_kind"][0] == got["return_kind"][1], f"rank {rank}: return {got['return_kind']}"
+        assert got["work_answers"][0] == got["work_answers"][1], f"rank {rank}: the work's answers differ"
         assert got["strategy"] == {want["strategy"]: 1}, f"rank {rank}: {got}"
         if want["strategy"] == "fallback":
             assert got["fallbacks"] == {want["reason"]: 1}, f"rank {rank}: {got}"

@@ -10,7 +10,8 @@
       -> agreement.poll / agreement.settle    where the plan says so: the ranks' one small exchange,
                                               and the only step that may turn the plan into another
       -> _WRITERS[plan.strategy]              carried out: lay out the output (slots), move the bytes
-                                              (routes), count it (counters)
+                                              (routes), count it (counters); an async call's work
+                                              wrapped (works.SlotsWork) to answer with the slots
       or to_torch                             the original torch.distributed.all_gather, unchanged
 
 Whatever memgather cannot prove safe goes to torch as the caller wrote it.
@@ -25,7 +26,19 @@ import torch
 import torch.distributed as dist
 
 from memgather import compat, config
-from memgather.engine import agreement, counters, elision, kept, pages, planner, routes, slots, staged, verification
+from memgather.engine import (
+    agreement,
+    counters,
+    elision,
+    kept,
+    pages,
+    planner,
+    routes,
+    slots,
+    staged,
+    verification,
+    works,
+)
 from memgather.engine.call import Call, bind
 from memgather.engine.plan import Plan
 from memgather.engine.reasons import Reason, Strategy
@@ -239,6 +252,8 @@ def _rewire(plan: Plan, call: Call, versions: List[int], untracked: bool = False
         work, flat = writer(route, call)
     else:
         work, flat = _unrecorded(writer, route, call)
+    if work is not None and not isinstance(work, works.SlotsWork):
+        work = works.SlotsWork(work, tensor_list)  # its result() and future answer with the slots, as torch's
     if versions:
         slots.mark_written(tensor_list, versions)
     if call.verify:

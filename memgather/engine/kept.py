@@ -191,11 +191,14 @@ def holds(
         and check is kept.check
         and elide is kept.elide
         and verify is kept.verify
-        and tensor.dtype is kept.dtype
-        and tensor.shape == kept.shape
         and type(tensor_list) is list
         and len(tensor_list) == kept.world
     ):
+        return None
+    # Before any read of the tensors: a user's mode would see memgather's reads (and may refuse them).
+    if compat.function_mode_active() or compat.dispatch_mode_active():
+        return None
+    if not (tensor.dtype is kept.dtype and tensor.shape == kept.shape):
         return None
     if group is None:
         pg = compat.default_group()
@@ -208,9 +211,7 @@ def holds(
     # facts are what lookup() would give: the same group, its entry not dropped by a configure().
     # The keys are equal only where the input is on the CPU, as when the plan was kept: its entry's.
     if (
-        compat.function_mode_active()
-        or compat.dispatch_mode_active()
-        or compat.functorch_active()
+        compat.functorch_active()
         or compat.forward_ad_active()
         or torch.is_inference_mode_enabled() is not kept.inference
         or not compat.dispatch_keys(tensor) == kept.keys  # type: ignore[misc]  # present: kept plans need it

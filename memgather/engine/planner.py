@@ -297,7 +297,10 @@ def _gathered_bytes(tensor_list: Any, world: int) -> Optional[int]:
         return None
     total = 0
     for slot in tensor_list:
-        if not isinstance(slot, torch.Tensor):
+        if type(slot) is torch.Tensor:
+            total += slot.numel() * slot.element_size()
+        elif isinstance(slot, torch.Tensor):
+            total += compat.nbytes(slot)  # a subclass's hook must not see memgather's reads
+        else:
             return None
-        total += slot.numel() * slot.element_size()
     return total

@@ -209,13 +209,15 @@ def mark_written(slots: List[torch.Tensor], before: List[int]) -> None:
     slots share (views of one tensor, or a ``detach()`` set to a storage of its own)
     moves once per slot. memgather's own ``set_`` and copies bump the counters too;
     those are not writes torch would make, so the counters are first set back to
-    ``before`` where torch allows it.
+    ``before`` where torch allows it. Where this thread excludes the dispatch key
+    that counts writes (``compat.writes_counted``), torch's call leaves them there.
     """
     if -1 in before:  # inference tensors among them: they have no counter to set or bump
         counted = [(slot, version) for slot, version in zip(slots, before) if version >= 0]
         slots, before = [slot for slot, _ in counted], [version for _, version in counted]
     compat.set_versions(slots, before)  # (does nothing where torch cannot)
-    compat.increment_versions(slots)
+    if compat.writes_counted():
+        compat.increment_versions(slots)
 
 
 def _reallocate(

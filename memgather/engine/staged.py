@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from datetime import timedelta
 from typing import Any, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from memgather import compat
-from memgather.engine import elision, routes, slots
+from memgather.engine import elision, routes, slots, works
 
 
 def run(route: routes.Route, tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
@@ -53,51 +51,16 @@ def copy_out(tensor_list: List[torch.Tensor], flat: torch.Tensor) -> None:
                 tensor.record_stream(stream)
 
 
-class StagedWork(dist.Work):
+class StagedWork(works.SlotsWork):
     """torch's work for a staged rank's single call; the slots hold the result once it is waited on."""
 
     def __init__(self, inner: Any, tensor_list: List[torch.Tensor], flat: torch.Tensor) -> None:
-        super().__init__()
-        self._inner = inner
-        self._slots = tensor_list
+        super().__init__(inner, tensor_list)
         self._copy = _OwedCopy(inner, tensor_list, flat)
         # Dropped unwaited: the copy is still owed to the slots, which torch's call fills regardless.
         weakref.finalize(self, self._copy.make, True)
 
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        # timedelta(0) is torch's "no timeout of the call's own" (the group's applies)
-        result = self._inner.wait() if timeout == timedelta(0) else self._inner.wait(timeout)
-        self._copy.make(False)
-        return bool(result) if isinstance(result, bool) else True
-
-    def is_completed(self) -> bool:
-        if not self._inner.is_completed():
-            return False
-        self._copy.make(False)
-        return True
-
-    def get_future(self) -> Any:
-        def completed(future: Any) -> Any:
-            future.value()  # raises the gather's own error, if it failed: then no copy
-            self._copy.make(False)
-            return self._slots
-
-        return self._inner.get_future().then(completed)
-
-    def result(self) -> List[torch.Tensor]:
-        return list(self._slots)
-
-    def is_success(self) -> bool:
-        return bool(self._inner.is_success())
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def source_rank(self) -> int:
-        return int(self._inner.source_rank())
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
+    def _completed(self) -> None:
         self._copy.make(False)
 
 
