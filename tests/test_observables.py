@@ -182,3 +182,48 @@ def test_user_modes_and_subclass_slots_see_what_torchs_call_shows_them(pools: An
         for numel, want, got, rewired in rows:
             assert rewired >= 2, numel  # the plain calls were rewired (the site's plan kept)
             assert got == want, numel
+
+
+def empty_like_wrapped(ctx: Any) -> Tuple[int, int]:
+    """A wrapper the program puts on torch.empty_like counts the program's calls only."""
+    made = []
+    original = torch.empty_like
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return original(*args, **kwargs)
+
+    torch.empty_like = counting
+    try:
+        t = filled(ctx.rank, (1 << 14,))
+        out = [torch.empty_like(t) for _ in range(2)]
+        memgather.reset_stats()
+        memgather.all_gather(out, t, check=True)  # check mode: the ranks exchange metadata rows first
+    finally:
+        torch.empty_like = original
+    return len(made), memgather.stats().rewired
+
+
+def test_a_wrapper_on_empty_like_sees_only_the_programs_calls(pools: Any) -> None:
+    for made, rewired in unwrap(pools(2, **EAGER).run(empty_like_wrapped)):
+        assert (made, rewired) == (2, 1)
+
+
+def cat_under_mode(ctx: Any) -> List[Any]:
+    rows = []
+    for gather in (TORCH["all_gather"], lambda out, t: memgather.all_gather(out, t, elide=True)):
+        t = filled(ctx.rank, (1 << 14,))
+        out = [torch.empty_like(t) for _ in range(2)]
+        gather(out, t)
+        with Recording() as mode:
+            result = torch.cat(out)
+        rows.append((mode.seen, type(result).__name__, [type(s).__name__ for s in out], result[:3].tolist()))
+    return rows
+
+
+def test_a_mode_around_an_elided_cat_sees_the_armed_slots_class(pools: Any) -> None:
+    """The one hook-visible difference docs/calls.md names: the armed slots' class in the mode's types;
+    (torch's: none, plain tensors only); the result and the slots after the cat are plain tensors, the values torch's."""
+    for (seen, kind, slot_kinds, values), got in unwrap(pools(2, **EAGER).run(cat_under_mode)):
+        assert seen == ["_VariableFunctionsClass.cat[]"] and got[0] == ["_VariableFunctionsClass.cat['ElidableSlot']"]
+        assert (got[1], got[2], got[3]) == (kind, slot_kinds, values) == ("Tensor", ["Tensor", "Tensor"], values)

@@ -124,9 +124,14 @@ def agree(
     return Verdict(None if len(routes) == 1 and 0 not in routes else Reason.PEER_FALLBACK, spans_hosts)
 
 
+# torch's function as memgather found it at import: a wrapper a program puts on torch.empty_like
+# later is the program's, for its own calls, and does not see memgather's metadata rows made.
+_empty_like = torch.empty_like
+
+
 def exchange(gather_rows: Callable[..., Any], group: Any, row: torch.Tensor, world: int) -> List[List[int]]:
     """Every rank's int64 ``row``, in group rank order, through the original list all_gather."""
-    table = [torch.empty_like(row) for _ in range(world)]
+    table = [_empty_like(row) for _ in range(world)]
     gather_rows(table, row, group=group)
     # gloo's worker thread lets go of a finished call's tensors a moment after it returns; a process
     # that exits in that moment can abort in teardown ("terminate called without an active exception"):
