@@ -227,3 +227,87 @@ def test_a_mode_around_an_elided_cat_sees_the_armed_slots_class(pools: Any) -> N
     for (seen, kind, slot_kinds, values), got in unwrap(pools(2, **EAGER).run(cat_under_mode)):
         assert seen == ["_VariableFunctionsClass.cat[]"] and got[0] == ["_VariableFunctionsClass.cat['ElidableSlot']"]
         assert (got[1], got[2], got[3]) == (kind, slot_kinds, values) == ("Tensor", ["Tensor", "Tensor"], values)
+
+
+def result_before_completion(ctx: Any) -> List[Any]:
+    """``work.result()`` before the work completed: rank 1 comes 0.5 s late, so rank 0's cannot have."""
+    import time
+
+    rows = []
+    memgather.patch([__name__])
+    try:
+        for gather in (TORCH["all_gather"], dist.all_gather):
+            t = filled(ctx.rank, (64, 3))
+            out = [torch.empty_like(t) for _ in range(2)]
+            if ctx.rank == 1:
+                time.sleep(0.5)
+            work = gather(out, t, async_op=True)
+            try:
+                early: Any = ("returned", len(work.result()))
+            except RuntimeError as error:
+                early = ("raised", str(error))
+            work.wait()
+            rows.append((early if ctx.rank == 0 else None, [s.tolist() for s in out]))
+    finally:
+        memgather.unpatch()
+    return rows
+
+
+def test_result_before_completion_raises_as_torchs(pools: Any) -> None:
+    results = unwrap(pools(2, **EAGER).run(result_before_completion))
+    for want, got in results:
+        assert got == want
+    assert results[0][0][0][0] == "raised"  # torch's refusal on rank 0, which came first
+
+
+class OwnSizes(torch.Tensor):
+    """A __torch_dispatch__ wrapper subclass whose sizes are its own: its hook answers size reads."""
+
+    seen: List[str] = []
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> "OwnSizes":
+        made = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, elem.size(), strides=elem.stride(), dtype=elem.dtype, device=elem.device,
+            dispatch_sizes_strides_policy="sizes",
+        )
+        made.elem = elem
+        return made
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.seen.append(str(func))
+        if func is torch.ops.aten.sym_size.default:
+            return args[0].elem.size()
+        if func is torch.ops.aten.sym_numel.default:
+            return args[0].elem.numel()
+        if func is torch.ops.aten.sym_stride.default:
+            return args[0].elem.stride()
+        if func is torch.ops.aten.sym_storage_offset.default:
+            return args[0].elem.storage_offset()
+        unwrap = lambda x: x.elem if isinstance(x, OwnSizes) else x  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def own_sizes_slots(ctx: Any) -> List[Any]:
+    rows = []
+    memgather.patch([__name__])
+    try:
+        for gather in (TORCH["all_gather"], dist.all_gather):
+            t = filled(ctx.rank, (64, 3))
+            out = [OwnSizes(torch.empty_like(t)) for _ in range(2)]
+            OwnSizes.seen = []
+            gather(out, t)
+            rows.append((sorted(set(OwnSizes.seen)), [s.elem.tolist() for s in out]))
+    finally:
+        memgather.unpatch()
+    return rows
+
+
+def test_slots_with_their_own_sizes_see_memgathers_size_reads(pools: Any) -> None:
+    """Pinned, as docs/calls.md names it: the values are torch's; the hook also sees sym_numel."""
+    for want, got in unwrap(pools(2, **EAGER).run(own_sizes_slots)):
+        assert got[1] == want[1]
+        assert "aten.sym_numel.default" in set(got[0]) - set(want[0])

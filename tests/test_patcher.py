@@ -116,6 +116,27 @@ def test_what_a_patch_was_given_ends_with_the_next_patch(monkeypatch: pytest.Mon
     assert all(name not in os.environ for name in ("MEMGATHER", "MEMGATHER_ELIDE", "MEMGATHER_FORCE"))
 
 
+def test_a_patch_racing_another_does_not_take_its_export_for_the_users_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread's patch() exporting between this one's read of what was exported and its read of
+    the environment: this one reads the environment again, under the lock."""
+    from memgather import config
+    from memgather.engine import core
+
+    real_load, raced = config.load, []
+
+    def load_after_another_patch(environ: Any = None) -> Any:
+        if not raced:
+            raced.append(True)
+            memgather.patch(["mypkg"], elide=True)  # the other thread's, exporting MEMGATHER_ELIDE=1
+        return real_load(environ)
+
+    monkeypatch.setattr(config, "load", load_after_another_patch)
+    memgather.patch(["mypkg"])
+    assert raced and core.settings().elide is None
+
+
 def test_a_setting_the_user_makes_while_patched_is_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A name the user sets after patch() is read by the next patch() and left alone by unpatch()."""
     import os

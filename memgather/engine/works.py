@@ -15,7 +15,7 @@ slot as its ``torch.view_as_real`` view, made at the call, as torch makes it.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, List
+from typing import Any, List, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -46,14 +46,31 @@ class SlotsWork(dist.Work):
         return True
 
     def get_future(self) -> Any:
-        def completed(future: Any) -> Any:
-            future.value()  # raises the gather's own error, if it failed
-            self._completed()
-            return list(self._outputs)
+        # A future of its own, completed from the single call's: ``then()`` would wrap a failed
+        # gather's error in its own message, where torch's future raises the error itself.
+        # add_done_callback orders the current streams after the work's, as then() does.
+        inner = self._inner.get_future()
+        devices: List[Union[int, str, torch.device]] = sorted(
+            {t.device for t in self._outputs if t.device.type != "cpu"}, key=str
+        )
+        future: torch.futures.Future[List[torch.Tensor]] = torch.futures.Future(devices=devices or None)
 
-        return self._inner.get_future().then(completed)
+        def completed(done: Any) -> None:
+            try:
+                done.value()
+            except Exception as error:  # noqa: BLE001 - the gather's own error, handed on as it is
+                future.set_exception(cast(Any, error))  # (torch's stubs type it as the result's type)
+                return
+            self._completed()
+            future.set_result(list(self._outputs))
+
+        inner.add_done_callback(completed)
+        return future
 
     def result(self) -> List[torch.Tensor]:
+        self._inner.result()  # torch's own refusal before the work completed (and its notice)
+        if self._inner.exception() is None:  # a failed gather completes nothing
+            self._completed()
         return list(self._outputs)
 
     def is_success(self) -> bool:

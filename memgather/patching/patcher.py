@@ -93,7 +93,8 @@ def patch(
     """
     global _active, _exported
     # The user's environment, not what an earlier patch() exported: its arguments end with it.
-    settings = config.load(None if _exported is None else _exported[0].users_environment())
+    exported = _exported
+    settings = config.load(None if exported is None else exported[0].users_environment())
     _configure_logging(settings.log_level)
     if settings.enabled is False:
         _log.info("MEMGATHER=0: patch() does nothing")
@@ -107,6 +108,10 @@ def patch(
         settings.verify if verify is None else verify,
     )
     with _lock:
+        if _exported is not exported:
+            # Another thread's patch() exported since this one read the environment: read it again,
+            # holding the lock (reentrant), so that its export is not taken for the user's setting.
+            return patch(targets, check=check, force=force, elide=elide, verify=verify)
         # The engine first, before anything is installed: one another thread is still importing
         # (its configure() not defined yet) fails here, and leaves torch as it was.
         before = core.settings()
