@@ -6,10 +6,11 @@ Public API::
     memgather.disabled()                 # opt out, as context manager or decorator
     memgather.all_gather(tensor_list, tensor, group=None, async_op=False)
     memgather.gather(tensor, group=None) -> Tensor
+    memgather.gather_uneven(tensor, group=None) -> Tensor   # ranks' dim 0 may differ
     memgather.stats() / memgather.reset_stats()
     memgather.primitive()                # the single-tensor all-gather this torch offers, and why
     memgather.TARGETS                    # the built-in target registry
-    memgather.UnevenShapesError, memgather.VerifyError
+    memgather.UnevenShapesError, memgather.UnevenLayoutError, memgather.VerifyError
 
 Names are imported on first use, so ``import memgather`` (and the start-up
 hook in ``memgather.pth``) does not import torch.
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "all_gather": ("memgather.engine.core", "all_gather"),
     "gather": ("memgather.engine.core", "gather"),
+    "gather_uneven": ("memgather.engine.core", "gather_uneven"),
     "patch": ("memgather.patching.patcher", "patch"),
     "unpatch": ("memgather.patching.patcher", "unpatch"),
     "is_patched": ("memgather.patching.patcher", "is_patched"),
@@ -44,6 +46,7 @@ _EXPORTS = {
     "primitive": ("memgather.compat", "single_tensor_primitive"),
     "Primitive": ("memgather.compat", "Primitive"),
     "UnevenShapesError": ("memgather.errors", "UnevenShapesError"),
+    "UnevenLayoutError": ("memgather.errors", "UnevenLayoutError"),
     "VerifyError": ("memgather.errors", "VerifyError"),
     "Reason": ("memgather.engine.reasons", "Reason"),
     "Strategy": ("memgather.engine.reasons", "Strategy"),
@@ -93,11 +96,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; ``import x a
     from memgather.compat import single_tensor_primitive as primitive  # noqa: F401 - re-exported as memgather.primitive
     from memgather.engine.core import all_gather as all_gather
     from memgather.engine.core import gather as gather
+    from memgather.engine.core import gather_uneven as gather_uneven
     from memgather.engine.counters import Stats as Stats
     from memgather.engine.counters import reset_stats as reset_stats
     from memgather.engine.counters import stats as stats
     from memgather.engine.reasons import Reason as Reason
     from memgather.engine.reasons import Strategy as Strategy
+    from memgather.errors import UnevenLayoutError as UnevenLayoutError
     from memgather.errors import UnevenShapesError as UnevenShapesError
     from memgather.errors import VerifyError as VerifyError
     from memgather.patching.patcher import is_patched as is_patched

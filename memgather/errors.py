@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
 import torch
 
@@ -25,6 +25,25 @@ class UnevenShapesError(ValueError):
         super().__init__(
             "all_gather inputs differ across ranks, but the output slots expect "
             f"every rank's shape to be the same ({described})"
+        )
+
+
+class UnevenLayoutError(ValueError):
+    """Ranks' inputs to ``memgather.gather_uneven`` differ in more than dim 0.
+
+    Raised on every rank of the group, which all read the same exchanged table.
+    ``layouts[i]`` is ``(rows, trailing dims, dtype, device type)`` of group rank i's input.
+    """
+
+    def __init__(self, layouts: Sequence[Tuple[int, Tuple[Any, ...], Any, str]]) -> None:
+        self.layouts = list(layouts)
+        described = "; ".join(
+            f"rank {rank}: {rows} rows of {tuple(trailing)} {str(dtype).replace('torch.', '')} on {device}"
+            for rank, (rows, trailing, dtype, device) in enumerate(self.layouts)
+        )
+        super().__init__(
+            "gather_uneven inputs may differ across ranks only in dim 0; the dims after it, the dtype "
+            f"and the device type must be the same ({described})"
         )
 
 

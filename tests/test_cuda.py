@@ -161,3 +161,14 @@ def test_nccl2_rewires_elided_calls_only() -> None:
         assert _same(elided)["strategies"] == {"rebind": 1}, elided
         assert elided["memgather"]["routes"] == {"single_every_rank": 1}, elided
         assert _same(kept)["fallbacks"] == {"nccl2": 1}, kept
+
+
+def test_gather_uneven_on_nccl_writes_each_ranks_rows_once() -> None:
+    """One broadcast per rank into views of the result: values torch.cat's, and nothing beyond the
+    result but the one int64 row per rank of the exchange (a MiB of slack for the allocator)."""
+    from tests.test_uneven import UNEVEN_TWO_RANKS
+
+    for results in nccl_ranks.run(UNEVEN_TWO_RANKS, "nccl"):
+        for rows, equal, shape, peak, result_bytes in results:
+            assert equal and shape == [sum(rows), 3], rows
+            assert peak <= result_bytes + MIB, (rows, peak, result_bytes)

@@ -45,7 +45,8 @@ def test_doctor_reports_and_exits_zero_when_usable() -> None:
     done = _run([PYTHON, "-m", "memgather", "doctor"])
     assert done.returncode == 0, done.stdout + done.stderr
     for expected in ("torch 2.", "single-tensor all-gather: ", "gloo  available: ", "accelerate",
-                     "pytorch_lightning", ".pth:", "verdict: usable"):
+                     "pytorch_lightning", ".pth:", "verdict: usable",
+                     "uneven gathers (memgather.gather_uneven): one int64 row per rank exchanged"):
         assert expected in done.stdout
 
 

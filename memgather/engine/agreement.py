@@ -36,6 +36,16 @@ _DTYPES: Tuple[torch.dtype, ...] = tuple(
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s number in the exchanged rows, the same on every rank running the same torch."""
+    return _DTYPE_CODES.get(dtype, _UNKNOWN)
+
+
+def dtype_of(code: int) -> Any:
+    """The dtype of a ``dtype_code``, or a text where this torch has none of that number."""
+    return _DTYPES[code] if 0 <= code < len(_DTYPES) else "unknown dtype"
+
+
 class Verdict(NamedTuple):
     """What every rank read alike from the table."""
 
@@ -146,7 +156,7 @@ def _encode(tensor: torch.Tensor, route: int, even: bool) -> torch.Tensor:
         dims = list(shape) + [0] * (_MAX_DIMS - len(shape))
     else:  # keep the leading dims readable, fold the rest into a hash (ints hash alike everywhere)
         dims = list(shape[: _MAX_DIMS - 1]) + [hash(shape) & 0x7FFFFFFFFFFFFFFF]
-    values = [route, int(even), hosts.key(), _DTYPE_CODES.get(tensor.dtype, _UNKNOWN), len(shape)] + dims
+    values = [route, int(even), hosts.key(), dtype_code(tensor.dtype), len(shape)] + dims
     return torch.tensor(values, dtype=torch.int64, device=tensor.device)
 
 
@@ -161,5 +171,4 @@ def _decode(row: Sequence[int]) -> Tuple[Tuple[Any, ...], Any]:
         dims: Tuple[Any, ...] = tuple(row[_HEADER : _HEADER + ndim])
     else:
         dims = tuple(row[_HEADER : _ROW - 1]) + (f"... ({ndim} dims)",)
-    dtype = _DTYPES[row[3]] if 0 <= row[3] < len(_DTYPES) else "unknown dtype"
-    return dims, dtype
+    return dims, dtype_of(row[3])

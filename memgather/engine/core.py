@@ -36,6 +36,7 @@ from memgather.engine import (
     routes,
     slots,
     staged,
+    uneven,
     verification,
     works,
 )
@@ -220,6 +221,27 @@ def gather(tensor: torch.Tensor, group: Any = None, *, check: Optional[bool] = N
     else:
         pages.advise(out)
         all_gather(slots.views(out, world, tensor.shape), tensor, group, check=check)
+    compat.set_version(out, 0)  # a new tensor, as torch.cat's result is: its writes were memgather's own
+    return out
+
+
+def gather_uneven(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0, in rank order, where ranks' dim 0 may differ.
+
+    The dims after the first, the dtype and the device type must be the same on every rank
+    (else ``UnevenLayoutError`` on every rank); a rank may have no rows, and a 0-d input
+    counts as one row. Returns a new tensor of the summed rows, as ``torch.cat`` of the ranks'
+    tensors would be: contiguous, a plain tensor, never requiring grad. Each rank's rows are
+    written once into it, without padding to the largest rank (``memgather.engine.uneven``).
+    Every rank of the group must call it; it is not affected by ``patch()`` or its targets.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"memgather.gather_uneven expects a torch.Tensor, got {type(tensor).__name__}")
+    if dist.is_initialized() and compat.rank_not_in_group(group):
+        raise ValueError("memgather.gather_uneven: this rank is not a member of the given process group")
+    if type(tensor) is not torch.Tensor:
+        tensor = tensor.as_subclass(torch.Tensor)  # the rows, as torch.cat of a subclass's would hold them
+    out = uneven.gather(tensor, group, _original_all_gather, _settings.gloo_route)
     compat.set_version(out, 0)  # a new tensor, as torch.cat's result is: its writes were memgather's own
     return out
 

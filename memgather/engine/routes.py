@@ -331,11 +331,14 @@ def ring_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group: Any
 
     At step s each rank sends part (rank - s) to the next rank and receives part
     (rank - s - 1) from the previous one. The destinations must be contiguous and
-    must not overlap one another.
+    must not overlap one another; their sizes may differ (every rank must pass the same).
     """
     rank = groups.describe(group).rank
     world = len(destinations)
-    sent = _prepare(destinations, tensor, rank)
+    # A part of no elements travels as one element that nobody reads (an uneven gather's rank with
+    # no rows; every rank knows which): every rank posts the same transfers, as torch checks under
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL, and gloo never moves an empty tensor.
+    sent = [part if part.numel() else part.new_empty(1) for part in _prepare(destinations, tensor, rank)]
     held = compat.holds(sent)
     ranks = _global_ranks(group, world)
     after, before = ranks[(rank + 1) % world], ranks[(rank - 1) % world]
@@ -367,13 +370,15 @@ def _prepare(destinations: List[torch.Tensor], tensor: torch.Tensor, rank: int) 
 def broadcast_into(destinations: List[torch.Tensor], tensor: torch.Tensor, group: Any) -> None:
     """Rank i's ``tensor`` into ``destinations[i]`` on every rank: one async broadcast each.
 
-    The destinations must be contiguous and must not overlap one another.
+    The destinations must be contiguous and must not overlap one another; their sizes may
+    differ (every rank must pass the same).
     """
     rank = groups.describe(group).rank
     sent = _prepare(destinations, tensor, rank)
     held = compat.holds(sent)
     ranks = _global_ranks(group, len(destinations))
-    works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(sent)]
+    # A part of no elements moves nothing (an uneven gather's rank with no rows; every rank knows it).
+    works = [dist.broadcast(d, src=ranks[i], group=group, async_op=True) for i, d in enumerate(sent) if d.numel()]
     _wait_all(works)  # which also drops memgather's own hold on the outputs
     compat.await_release(sent, before=held)
 

@@ -42,6 +42,7 @@ def report() -> "tuple[List[str], bool]":
         f"  {name:<5} {'available' if _available(dist, name) else 'not available'}: {plan}"
         for name, plan in backend_plans(primitive.name, gloo_min_bytes, nccl_min_bytes).items()
     )
+    lines.append(uneven_line(settings.gloo_route if settings is not None else "auto"))
     lines.append("targets:")
     for target in targets.BUILTIN:
         verdict = targets.gate(target)
@@ -86,6 +87,16 @@ def backend_plans(
         "mpi": "every call stays with torch",
         "ucc": "every call stays with torch",
     }
+
+
+def uneven_line(gloo_route: str) -> str:
+    """How ``memgather.gather_uneven`` moves the rows on each backend, under ``MEMGATHER_GLOO_ROUTE``."""
+    ring = {"auto": "the ring where the group spans hosts", "ring": "the ring", "broadcast": "no ring"}[gloo_route]
+    return (
+        "uneven gathers (memgather.gather_uneven): one int64 row per rank exchanged, then each rank's rows "
+        f"written once into one tensor of the summed rows, as bytes: gloo one broadcast per rank ({ring}, "
+        "MEMGATHER_GLOO_ROUTE), NCCL one broadcast per rank; no padding, no world x largest temporary"
+    )
 
 
 def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:

@@ -1,0 +1,103 @@
+"""Uneven gathers: every rank's rows, however many, into one buffer of their summed number.
+
+torch has no all-gather of tensors that differ in dim 0 into one tensor: libraries pad
+every rank's tensor to the largest rank's rows, gather ``world`` x the largest, slice
+each slot back and concatenate, which costs the padded gather, its slices' cat and the
+padding on every rank. Here each rank's rows are written once, where they belong::
+
+    gather(tensor, group, gather_rows)
+      -> layouts()            every rank's rows, trailing dims, dtype, device type and host,
+                              one int64 row each through torch's list all_gather (gather_rows)
+      -> UnevenLayoutError    where ranks differ in more than dim 0: raised on every rank,
+                              which all read the same table
+      -> out                  (summed rows, *trailing dims), rank i's part at its offset
+      -> routes.fill          own part copied in, then each other rank's part broadcast into
+                              its place as bytes (one broadcast per rank; the ring where a gloo
+                              group spans hosts); a part of no rows moves nothing, on every rank
+
+The parts travel as bytes (``uint8`` views of contiguous parts), so that every dtype
+takes the same transfers on every backend, those gloo's collectives refuse included.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple, Sequence, Tuple
+
+import torch
+
+from memgather.engine import agreement, counters, groups, hosts, routes
+from memgather.engine.reasons import Strategy
+from memgather.errors import UnevenLayoutError
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+class Layout(NamedTuple):
+    """One rank's input, as every rank reads it from the exchanged table."""
+
+    rows: int
+    trailing: Tuple[Any, ...]  # the dims after the first (past eight of them, a text standing for the rest)
+    dtype: Any  # a torch.dtype, or a text where this torch has no dtype of that code
+    device_type: str
+    host: int
+
+
+def gather(tensor: torch.Tensor, group: Any, gather_rows: Callable[..., Any], gloo_route: str) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0 in rank order, the ranks' dim 0 free to differ.
+
+    ``gather_rows``: torch's list all_gather, which exchanges the layouts. ``gloo_route``:
+    ``MEMGATHER_GLOO_ROUTE``. A 0-d input counts as one row.
+    """
+    source = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    info = groups.describe(group)
+    table = layouts(gather_rows, group, source, info.world)
+    first = table[0]
+    if any((t.trailing, t.dtype, t.device_type) != (first.trailing, first.dtype, first.device_type) for t in table):
+        raise UnevenLayoutError([(t.rows, t.trailing, t.dtype, t.device_type) for t in table])
+    rows = [t.rows for t in table]
+    out = torch.empty((sum(rows), *source.shape[1:]), dtype=source.dtype, device=source.device)
+    parts = list(out.split(rows)) if out.dim() else [out]
+    route = _route(info.backend, source.device, gloo_route, len({t.host for t in table}) > 1)
+    with torch.no_grad():  # as torch.cat's result of torch's own gather: no history
+        parts[info.rank].copy_(source)
+        sent = [_as_bytes(part) for part in parts]
+        routes.fill(route, sent, sent[info.rank], group)
+    counters.record(Strategy.INTO_RESULT.value, route=route.name)
+    return out
+
+
+def layouts(gather_rows: Callable[..., Any], group: Any, tensor: torch.Tensor, world: int) -> List[Layout]:
+    """Every rank's ``Layout``, in group rank order, through one exchange of int64 rows."""
+    trailing = tuple(tensor.shape[1:])
+    device = _DEVICE_TYPES.index(tensor.device.type) if tensor.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
+    # The trailing dims travel as their number and a hash (ints hash alike on every rank), then
+    # as many of them as fit: enough to name them in an error, and to compare them exactly.
+    row = [tensor.shape[0], hosts.key(), agreement.dtype_code(tensor.dtype), device, len(trailing)]
+    row += [hash(trailing) & 0x7FFFFFFFFFFFFFFF] + list(trailing[:_SHOWN])
+    row += [0] * (_ROW - len(row))
+    encoded = torch.tensor(row, dtype=torch.int64, device=tensor.device)
+    return [_decode(r) for r in agreement.exchange(gather_rows, group, encoded, world)]
+
+
+_SHOWN = 8  # trailing dims written out in each row
+_ROW = 6 + _SHOWN
+
+
+def _decode(row: Sequence[int]) -> Layout:
+    ndim = row[4]
+    trailing: Tuple[Any, ...] = tuple(row[6 : 6 + min(ndim, _SHOWN)])
+    if ndim > _SHOWN:  # more trailing dims than a row shows: the hash stands for the rest, compared alike
+        trailing += (f"... ({ndim} dims, hash {row[5]})",)
+    device = _DEVICE_TYPES[row[3]] if 0 <= row[3] < len(_DEVICE_TYPES) else "other"
+    return Layout(row[0], trailing, agreement.dtype_of(row[2]), device, row[1])
+
+
+def _route(backend: str, device: torch.device, gloo_route: str, spans_hosts: bool) -> routes.Route:
+    """The ring where a gloo group spans hosts (as the even gather's route), else a broadcast per rank."""
+    if backend == "gloo" and device.type == "cpu":
+        return routes.settle(routes.BROADCAST, gloo_route, spans_hosts, torch.uint8)
+    return routes.BROADCAST
+
+
+def _as_bytes(part: torch.Tensor) -> torch.Tensor:
+    return part.reshape(-1).view(torch.uint8)
