@@ -141,3 +141,23 @@ def test_the_two_rank_script_the_gpu_runs_passes_on_gloo() -> None:
     for results in nccl_ranks.run(UNEVEN_TWO_RANKS, backend="gloo", timeout_s=120):
         for rows, equal, shape, _, _ in results:
             assert equal and shape == [sum(rows), 3], rows
+
+
+def test_the_benchmark_runs_and_finds_the_same_result() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "benchmarks/uneven.py", "--mib", "2,1", "--repeat", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "yes" for row in rows), done.stdout
+
+
+def test_the_benchmark_refuses_what_it_cannot_measure() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "benchmarks/uneven.py", "--mib", "2"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--mib needs two ranks or more" in done.stderr
