@@ -89,8 +89,8 @@ def test_ranks_differing_past_dim_0_raise_on_every_rank(pools: Any) -> None:
     results = unwrap(pools(2, **EAGER).run(mismatched))
     assert results[0] == results[1]
     trailing, dtype = results[0]
-    assert "rank 0: 2 rows of (3,) float32 on cpu; rank 1: 3 rows of (4,) float32 on cpu" in trailing
-    assert "rank 0: 2 rows of () int32 on cpu; rank 1: 2 rows of () float32 on cpu" in dtype
+    assert "rank 0: 2 rows of (3,) float32 on cpu (strided); rank 1: 3 rows of (4,) float32 on cpu (strided)" in trailing
+    assert "rank 0: 2 rows of () int32 on cpu (strided); rank 1: 2 rows of () float32 on cpu (strided)" in dtype
 
 
 def requires_grad_input(ctx: Any) -> Tuple[bool, Any, List[float]]:
@@ -161,3 +161,50 @@ def test_the_benchmark_refuses_what_it_cannot_measure() -> None:
     done = subprocess.run([sys.executable, "benchmarks/uneven.py", "--mib", "2"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "--mib needs two ranks or more" in done.stderr
+
+
+def mixed_kinds(ctx: Any) -> List[str]:
+    """Inputs torch.cat would take differently, or that are not bytes to move: every rank raises alike,
+    before any byte moves (a rank that raised alone would leave the others waiting in a broadcast)."""
+    dense = torch.ones(2 + ctx.rank, 3)
+    inputs = [
+        dense.to_sparse() if ctx.rank == 0 else dense,  # one rank sparse
+        dense.to_sparse(),  # every rank sparse
+        torch.quantize_per_tensor(dense, 0.5, 0, torch.qint8),
+        torch.empty(2 + ctx.rank, 3, device="meta"),
+    ]
+    messages = []
+    for tensor in inputs:
+        try:
+            memgather.gather_uneven(tensor)
+            messages.append("returned")
+        except (memgather.UnevenLayoutError, ValueError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
+
+
+def test_inputs_that_are_not_dense_strided_raise_on_every_rank(pools: Any) -> None:
+    results = unwrap(pools(2, **EAGER).run(mixed_kinds))
+    assert results[0] == results[1]
+    one_sparse, sparse, quantized, meta = results[0]
+    assert one_sparse.startswith("UnevenLayoutError") and "on cpu (sparse or another layout)" in one_sparse
+    assert sparse == "ValueError: memgather.gather_uneven gathers dense strided tensors; every rank's input is sparse or another layout"
+    assert quantized.endswith("every rank's input is quantized") and meta.endswith("every rank's input is meta")
+
+
+def routes_set_differently(ctx: Any) -> Tuple[Dict[str, int], bool]:
+    """MEMGATHER_GLOO_ROUTE=ring on rank 0 only: every rank takes the broadcasts (the setting travels
+    in the exchanged row), where the ring on one rank and broadcasts on the other would wait forever."""
+    from memgather.engine import core, uneven
+
+    t = torch.arange(6.0 * (1 + ctx.rank)).reshape(-1, 3)
+    memgather.reset_stats()
+    table = uneven.layouts(core._original_all_gather, None, t, ctx.world, "ring" if ctx.rank == 0 else "broadcast")
+    got = uneven.gather(t, None, core._original_all_gather, "ring" if ctx.rank == 0 else "broadcast")
+    want = torch.cat([torch.arange(6.0 * (1 + r)).reshape(-1, 3) for r in range(ctx.world)])
+    return dict(memgather.stats().by_route), bool(torch.equal(got, want)) and [x.gloo_route for x in table] == ["ring", "broadcast"]
+
+
+def test_ranks_set_to_different_routes_take_the_broadcasts(pools: Any) -> None:
+    for routes_taken, equal in unwrap(pools(2, **EAGER).run(routes_set_differently)):
+        assert routes_taken == {"broadcast": 1} and equal

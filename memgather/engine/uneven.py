@@ -25,11 +25,14 @@ from typing import Any, Callable, List, NamedTuple, Sequence, Tuple
 
 import torch
 
+from memgather import config
 from memgather.engine import agreement, counters, groups, hosts, routes
 from memgather.engine.reasons import Strategy
 from memgather.errors import UnevenLayoutError
 
 _DEVICE_TYPES = ("cpu", "cuda")
+# What a rank's input is, beyond its sizes: only dense strided tensors are gathered as bytes.
+_KINDS = ("strided", "sparse or another layout", "quantized", "meta")
 
 
 class Layout(NamedTuple):
@@ -40,24 +43,36 @@ class Layout(NamedTuple):
     dtype: Any  # a torch.dtype, or a text where this torch has no dtype of that code
     device_type: str
     host: int
+    kind: str  # one of _KINDS
+    gloo_route: str  # the rank's MEMGATHER_GLOO_ROUTE
 
 
 def gather(tensor: torch.Tensor, group: Any, gather_rows: Callable[..., Any], gloo_route: str) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dim 0 in rank order, the ranks' dim 0 free to differ.
 
     ``gather_rows``: torch's list all_gather, which exchanges the layouts. ``gloo_route``:
-    ``MEMGATHER_GLOO_ROUTE``. A 0-d input counts as one row.
+    ``MEMGATHER_GLOO_ROUTE``. A 0-d input counts as one row. Whatever a rank finds wrong with
+    the table, every rank finds: they raise alike, before any byte moves.
     """
-    source = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    source = tensor.reshape(1) if tensor.dim() == 0 and _kind(tensor) == "strided" else tensor
     info = groups.describe(group)
-    table = layouts(gather_rows, group, source, info.world)
+    table = layouts(gather_rows, group, source, info.world, gloo_route)
     first = table[0]
-    if any((t.trailing, t.dtype, t.device_type) != (first.trailing, first.dtype, first.device_type) for t in table):
-        raise UnevenLayoutError([(t.rows, t.trailing, t.dtype, t.device_type) for t in table])
+    if any(
+        (t.trailing, t.dtype, t.device_type, t.kind) != (first.trailing, first.dtype, first.device_type, first.kind)
+        for t in table
+    ):
+        raise UnevenLayoutError([(t.rows, t.trailing, t.dtype, f"{t.device_type} ({t.kind})") for t in table])
+    if first.kind != "strided":
+        raise ValueError(f"memgather.gather_uneven gathers dense strided tensors; every rank's input is {first.kind}")
     rows = [t.rows for t in table]
     out = torch.empty((sum(rows), *source.shape[1:]), dtype=source.dtype, device=source.device)
-    parts = list(out.split(rows)) if out.dim() else [out]
-    route = _route(info.backend, source.device, gloo_route, len({t.host for t in table}) > 1)
+    parts = list(out.split(rows))
+    # Ranks set differently take the broadcasts, which every setting allows: alike on every rank.
+    setting = first.gloo_route if all(t.gloo_route == first.gloo_route for t in table) else "broadcast"
+    route = _route(
+        routes.backend_on(info.backend, source.device.type), source.device, setting, len({t.host for t in table}) > 1
+    )
     with torch.no_grad():  # as torch.cat's result of torch's own gather: no history
         parts[info.rank].copy_(source)
         sent = [_as_bytes(part) for part in parts]
@@ -66,30 +81,46 @@ def gather(tensor: torch.Tensor, group: Any, gather_rows: Callable[..., Any], gl
     return out
 
 
-def layouts(gather_rows: Callable[..., Any], group: Any, tensor: torch.Tensor, world: int) -> List[Layout]:
+def layouts(
+    gather_rows: Callable[..., Any], group: Any, tensor: torch.Tensor, world: int, gloo_route: str = "auto"
+) -> List[Layout]:
     """Every rank's ``Layout``, in group rank order, through one exchange of int64 rows."""
-    trailing = tuple(tensor.shape[1:])
+    kind = _kind(tensor)
+    shape = tuple(tensor.shape) if tensor.dim() else (1,)
+    trailing = shape[1:]
     device = _DEVICE_TYPES.index(tensor.device.type) if tensor.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
     # The trailing dims travel as their number and a hash (ints hash alike on every rank), then
     # as many of them as fit: enough to name them in an error, and to compare them exactly.
-    row = [tensor.shape[0], hosts.key(), agreement.dtype_code(tensor.dtype), device, len(trailing)]
-    row += [hash(trailing) & 0x7FFFFFFFFFFFFFFF] + list(trailing[:_SHOWN])
+    row = [shape[0], hosts.key(), agreement.dtype_code(tensor.dtype), device, len(trailing)]
+    row += [hash(trailing) & 0x7FFFFFFFFFFFFFFF, _KINDS.index(kind), config.GLOO_ROUTES.index(gloo_route)]
+    row += list(trailing[:_SHOWN])
     row += [0] * (_ROW - len(row))
-    encoded = torch.tensor(row, dtype=torch.int64, device=tensor.device)
+    encoded = torch.tensor(row, dtype=torch.int64, device="cpu" if kind == "meta" else tensor.device)
     return [_decode(r) for r in agreement.exchange(gather_rows, group, encoded, world)]
 
 
 _SHOWN = 8  # trailing dims written out in each row
-_ROW = 6 + _SHOWN
+_HEADER = 8
+_ROW = _HEADER + _SHOWN
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    if tensor.is_meta:
+        return "meta"
+    if tensor.is_quantized:
+        return "quantized"
+    return "strided" if tensor.layout == torch.strided else "sparse or another layout"
 
 
 def _decode(row: Sequence[int]) -> Layout:
     ndim = row[4]
-    trailing: Tuple[Any, ...] = tuple(row[6 : 6 + min(ndim, _SHOWN)])
+    trailing: Tuple[Any, ...] = tuple(row[_HEADER : _HEADER + min(ndim, _SHOWN)])
     if ndim > _SHOWN:  # more trailing dims than a row shows: the hash stands for the rest, compared alike
         trailing += (f"... ({ndim} dims, hash {row[5]})",)
     device = _DEVICE_TYPES[row[3]] if 0 <= row[3] < len(_DEVICE_TYPES) else "other"
-    return Layout(row[0], trailing, agreement.dtype_of(row[2]), device, row[1])
+    kind = _KINDS[row[6]] if 0 <= row[6] < len(_KINDS) else "unknown"
+    setting = config.GLOO_ROUTES[row[7]] if 0 <= row[7] < len(config.GLOO_ROUTES) else "broadcast"
+    return Layout(row[0], trailing, agreement.dtype_of(row[2]), device, row[1], kind, setting)
 
 
 def _route(backend: str, device: torch.device, gloo_route: str, spans_hosts: bool) -> routes.Route:
