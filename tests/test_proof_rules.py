@@ -381,3 +381,335 @@ def test_a_binding_after_the_cat_ends_the_list_only_where_it_binds_its_name(
     found = _verdict(tmp_path, _gatherer(after=f"result = torch.cat(slots)\n    {rest}"))
     assert found.proven, found
     assert found.needs_cow is not same, found  # a read of the list itself after the cat needs copy-on-write
+
+
+# Call sites on which a fault of the proof (a mutant of proof.py or flow.py that the cases above
+# let pass: tox -e mutation) changes a verdict: the cat proof's (role, proven, reason) of each
+# site, and the made-like proof's reason for each gather (slots_like_input; "" where proven).
+# Each verdict is the proof's as it stands: a change to one is a change of a rule, to be made
+# on purpose.
+PINNED = {
+    'assert_before_cat': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            assert slots
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'cat_three_args': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots, 0, t)
+""",
+        [('gatherer', False, 'line 15: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'comprehension_two_for': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2) for __ in range(1) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 13: the list comprehension has more than one plain for'],
+    ),
+    'fn_gather_forward': (
+        """\
+        def case(t):
+            return torch.distributed.nn.all_gather(t)
+""",
+        [('receiver', False, 'line 13: the gathered tensors are neither bound to a name nor concatenated')],
+        [],
+    ),
+    'fn_gather_stack': (
+        """\
+        def case(t):
+            return torch.stack(torch.distributed.nn.functional.all_gather(t))
+""",
+        [('receiver', True, 'concatenates the gathered tensors at once at line 13')],
+        [],
+    ),
+    'frame_attr': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            sys._getframe().f_locals
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: the function reads frames (.f_locals)')],
+        ['line 15: the function reads frames (.f_locals)'],
+    ),
+    'group_call': (
+        """\
+        def case(t, get=None):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t, group=get())
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 14: an argument of the gather is neither a name nor a constant'],
+    ),
+    'import_local': (
+        """\
+        def case(t):
+            import torch.distributed as d2
+            slots = [torch.empty_like(t) for _ in range(2)]
+            d2.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 16')],
+        [''],
+    ),
+    'in_finally': (
+        """\
+        def case(t):
+            try:
+                pass
+            finally:
+                slots = [torch.empty_like(t) for _ in range(2)]
+                dist.all_gather(slots, t)
+                return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 18')],
+        [''],
+    ),
+    'in_for_else': (
+        """\
+        def case(t):
+            for i in range(2):
+                pass
+            else:
+                slots = [torch.empty_like(t) for _ in range(2)]
+                dist.all_gather(slots, t)
+                return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 18')],
+        [''],
+    ),
+    'inspect_stack': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            inspect.stack()
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: the function reads its own frame (inspect.stack())')],
+        ['line 15: the function reads its own frame'],
+    ),
+    'inspect_trace': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            inspect.trace()
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: the function reads its own frame (inspect.trace())')],
+        ['line 15: the function reads its own frame'],
+    ),
+    'kw_list_is_slots': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t, group=slots)
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 14: slots is used again in the statement that gathers into it')],
+        ['line 14: slots is used again in the statement that gathers into it'],
+    ),
+    'lambda_gather': (
+        """\
+        def case(t):
+            f = lambda s: dist.all_gather(s, t)
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 16')],
+        ['line 13: t is captured by a nested function or class'],
+    ),
+    'locals_call': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            locals()
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: the function reads its own frame (locals())')],
+        ['line 15: the function reads its own frame'],
+    ),
+    'mangled': (
+        """\
+        class A:
+            def case(self, t):
+                __slots = [torch.empty_like(t) for _ in range(2)]
+                dist.all_gather(__slots, t)
+                return torch.cat(__slots)
+""",
+        [('gatherer', False, 'line 14: __slots is a private name (mangled inside a class): not followed')],
+        ['line 14: __slots is a private name (mangled inside a class): not followed'],
+    ),
+    'new_empty': (
+        """\
+        def case(t):
+            slots = [t.new_empty(t.shape) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 13: not every slot is torch.empty_like, zeros_like or ones_like of t'],
+    ),
+    'one_arg': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 14: the gathered tensor is not a local name'],
+    ),
+    'param_list': (
+        """\
+        def case(t, slots):
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'slots is not bound to a list in this function before the gather (a parameter, or unbound)')],
+        ['line 13: slots is not bound by the statement just before the gather'],
+    ),
+    'reached_global': (
+        """\
+        def case(t):
+            global slots
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 13: slots is declared global')],
+        ['line 13: slots is declared global or nonlocal'],
+    ),
+    'reached_nonlocal': (
+        """\
+        def outer(t):
+            slots = None
+            def case():
+                nonlocal slots
+                slots = [torch.empty_like(t) for _ in range(2)]
+                dist.all_gather(slots, t)
+                return torch.cat(slots)
+            return case
+""",
+        [('gatherer', False, 'line 15: slots is declared nonlocal')],
+        ['line 17: t is not a local of the function'],
+    ),
+    'return_none': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return
+""",
+        [('gatherer', False, 'line 14: slots is never concatenated')],
+        [''],
+    ),
+    'star_third': (
+        """\
+        def case(t, *rest):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t, *rest)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ["line 14: the gather's arguments are unpacked"],
+    ),
+    'tensor_kw': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, tensor=t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        [''],
+    ),
+    'try_else': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            try:
+                pass
+            except Exception:
+                pass
+            else:
+                slots.append(1)
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 20: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'try_finally_after': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            try:
+                r = torch.cat(slots)
+            finally:
+                slots.append(1)
+            return r
+""",
+        [('gatherer', True, "first used after the gather by the cat at line 16 (line 18: slots is used again after line 16; proven where the cat's result is copy-on-write)")],
+        [''],
+    ),
+    'walrus_gather': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            (w := dist.all_gather(slots, t))
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 14: the gather is part of a larger expression'],
+    ),
+}
+
+
+def _like(tmp_path: Path, body: str) -> List[str]:
+    """``proof.slots_like_input`` for each gather of the module, as a live frame resolves names
+    (the builtin ``range`` included), in the order of the module's functions."""
+    name = f"rule_{next(_counter)}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(_HEAD + textwrap.dedent(body))
+    tree = ast.parse(path.read_text())
+    imported = callsites._imports(tree.body, "")
+    found = []
+    for function, _, _ in callsites._functions(tree):
+        plain = callsites._resolver(function, imported, "")
+
+        def resolve(expression: ast.expr, plain: Any = plain) -> Any:
+            return "range" if isinstance(expression, ast.Name) and expression.id == "range" else plain(expression)
+
+        for call in callsites._own_calls(function):
+            if (resolve(call.func) or callsites._SPELLED.get(callsites._dotted(call.func))) in proof.GATHERS:
+                found.append(proof.slots_like_input(function, call, resolve))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_each_site_a_fault_of_the_proof_once_passed_keeps_its_verdict(tmp_path: Path, name: str) -> None:
+    body, verdicts, like = PINNED[name]
+    found = sorted((site.role, site.verdict.proven, site.verdict.reason) for site in _sites(tmp_path, body))
+    assert found == sorted(verdicts)
+    assert _like(tmp_path, body) == like
