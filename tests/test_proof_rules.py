@@ -683,6 +683,127 @@ PINNED = {
         [('gatherer', True, 'drops the list after the cat at line 15')],
         ['line 14: the gather is part of a larger expression'],
     ),
+    'returned_finally_reads': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            try:
+                return slots
+            finally:
+                print(len(slots))
+""",
+        [('gatherer', False, 'line 16: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'positional_group_call_and_kw': (
+        """\
+        def case(t, get=None):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t, get(), async_op=False)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 14: an argument of the gather is neither a name nor a constant'],
+    ),
+    'bound_binop': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t)] * 2
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 13: slots is bound to something that is not a list of new tensors')],
+        ['line 13: slots is not bound to a list display or comprehension'],
+    ),
+    'fn_gather_in_comprehension_deep': (
+        """\
+        def case(t):
+            return [torch.cat(torch.distributed.nn.all_gather(t)) + 0 for _ in range(2)]
+""",
+        [('receiver', False, 'line 13: the call is inside a comprehension or lambda')],
+        [],
+    ),
+    'fresh_bad_binding_then_loop': (
+        """\
+        def case(t, f):
+            if f:
+                slots = f()
+            else:
+                slots = [torch.empty_like(t) for _ in range(2)]
+            for i in range(2):
+                pass
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 14: slots is bound to something that is not a list of new tensors')],
+        ['line 19: slots is not bound by the statement just before the gather'],
+    ),
+    'bad_then_reuse_else': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            if t.numel():
+                x = slots[1]
+                r = torch.cat(slots)
+            else:
+                r = torch.cat(slots)
+                x = slots[0]
+            return r
+""",
+        [('gatherer', False, 'line 20: slots is used again after line 19')],
+        [''],
+    ),
+    'if_two_cats': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            if t.numel():
+                return torch.cat(slots)
+            else:
+                return torch.stack(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 16, 18')],
+        [''],
+    ),
+    'cat_tensors_kw_out': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(tensors=slots, out=t)
+""",
+        [('gatherer', False, 'line 15: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'except_type_reads': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            try:
+                r = torch.cat(slots)
+            except slots[0]:
+                pass
+            return r
+""",
+        [('gatherer', True, "first used after the gather by the cat at line 16 (line 15: slots is used again after line 16; proven where the cat's result is copy-on-write)")],
+        [''],
+    ),
+    'import_dotted_binds_top': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            r = torch.cat(slots)
+            import slots.sub
+            return r, slots
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        [''],
+    ),
 }
 
 
