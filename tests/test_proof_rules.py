@@ -804,6 +804,97 @@ PINNED = {
         [('gatherer', True, 'drops the list after the cat at line 15')],
         [''],
     ),
+    'gather_in_nested_statement_expr': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            def f(a=dist.all_gather(slots, t)):
+                pass
+            return torch.cat(slots)
+""",
+        [('gatherer', False, "line 14: the gather is not a statement of the function's own")],
+        ['line 14: t is not a local of the function'],
+    ),
+    'like_gather_not_resolved': (
+        """\
+        def case(t, dist=None):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 14: the gather is not torch.distributed.all_gather, looked up through modules'],
+    ),
+    'like_list_attr': (
+        """\
+        def case(t, self=None):
+            dist.all_gather(self.slots, t)
+            return torch.cat(self.slots)
+""",
+        [('gatherer', False, 'line 13: the gathered list is not a local name')],
+        ['line 13: the gathered list is neither written in the call nor a local name'],
+    ),
+    'like_binds_t': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for t in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 13: the comprehension binds t, or something other than a name'],
+    ),
+    'like_not_range': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in [0, 1]]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 15')],
+        ['line 13: the comprehension steps through something other than a range'],
+    ),
+    'walrus_binds_t': (
+        """\
+        def case(u):
+            if (t := u):
+                pass
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', True, 'drops the list after the cat at line 17')],
+        ['line 13: t is bound by :='],
+    ),
+    'fn_gather_reads_own_name': (
+        """\
+        def case(x):
+            x = torch.distributed.nn.all_gather(x)
+            return torch.cat(x)
+""",
+        [('receiver', False, 'line 13: x is used in the statement that binds it')],
+        [],
+    ),
+    'fn_gather_bound_then_cat': (
+        """\
+        def case(t):
+            x = torch.distributed.nn.all_gather(t)
+            return torch.cat(x)
+""",
+        [('receiver', True, 'drops the tensors after the cat at line 14')],
+        [],
+    ),
+    'frame_reader_named': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            inspect.currentframe()
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: the function reads its own frame (inspect.currentframe)')],
+        ['line 15: the function reads its own frame'],
+    ),
 }
 
 
