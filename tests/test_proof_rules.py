@@ -19,7 +19,7 @@ from typing import Any, List
 
 import pytest
 
-from memgather.patching import callsites, proof
+from memgather.patching import callsites, flow, proof
 
 _HEAD = """\
 import builtins
@@ -895,6 +895,33 @@ PINNED = {
         [('gatherer', False, 'line 15: the function reads its own frame (inspect.currentframe)')],
         ['line 15: the function reads its own frame'],
     ),
+    'cat_starred': (
+        """\
+        def case(t, *rest):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots, *rest)
+""",
+        [('gatherer', False, 'line 15: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'revisit_then_bad_branch': (
+        """\
+        def case(t, f, g):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            if f:
+                y = slots[0]
+                r = torch.cat(slots)
+            else:
+                while g:
+                    g = g - 1
+                r = torch.cat(slots)
+            return r
+""",
+        [('gatherer', False, 'line 16: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
 }
 
 
@@ -925,3 +952,57 @@ def test_each_site_a_fault_of_the_proof_once_passed_keeps_its_verdict(tmp_path: 
     found = sorted((site.role, site.verdict.proven, site.verdict.reason) for site in _sites(tmp_path, body))
     assert found == sorted(verdicts)
     assert _like(tmp_path, body) == like
+
+
+def _statement(source: str) -> Any:
+    return ast.parse(textwrap.dedent(source)).body[0]
+
+
+def test_the_names_each_kind_of_node_binds_and_what_its_import_reads() -> None:
+    """``proof.bindings``, which the live resolver asks of every statement of a function."""
+    module_of = lambda node: node.module  # noqa: E731
+    assert proof.bindings(_statement("import a.b"), module_of) == [("a", ("a", ""))]
+    assert proof.bindings(_statement("import a.b as c"), module_of) == [("c", ("a.b", ""))]
+    assert proof.bindings(_statement("from a.b import c as d, e"), module_of) == [("d", ("a.b", "c")), ("e", ("a.b", "e"))]
+    handlers = _statement("try:\n    pass\nexcept E as e:\n    pass\nexcept F:\n    pass").handlers
+    assert [proof.bindings(h, module_of) for h in handlers] == [[("e", None)], []]
+    match = _statement("match x:\n    case [a, *rest]:\n        pass\n    case {**kw}:\n        pass\n    case _:\n        pass")
+    patterns = {type(node).__name__ + ":" + str(getattr(node, "name", None) or getattr(node, "rest", None)): node
+                for node in ast.walk(match) if type(node).__name__ in ("MatchAs", "MatchStar", "MatchMapping")}
+    found = {key: proof.bindings(node, module_of) for key, node in patterns.items()}
+    assert found == {"MatchAs:a": [("a", None)], "MatchStar:rest": [("rest", None)], "MatchMapping:kw": [("kw", None)],
+                     "MatchAs:None": []}
+    alias = _statement("import a").names[0]  # an alias has a name of its own, and binds nothing by itself
+    assert proof.bindings(alias, module_of) == []
+
+
+def test_the_calls_a_frame_may_be_making() -> None:
+    """``proof.calls_at``: the call at the recorded span, or (without one) every call on the line, outermost first."""
+    function = _statement("def f():\n    a(b(1))\n    c()\n")
+    outer = function.body[0].value
+    inner = outer.args[0]
+    assert proof.calls_at(function, 2, None) == [outer, inner]
+    assert proof.calls_at(function, 3, None) == [function.body[1].value]
+    span = (inner.lineno, inner.end_lineno, inner.col_offset, inner.end_col_offset)
+    assert proof.calls_at(function, 2, span) == [inner]
+    assert proof.calls_at(function, 2, (2, 2, 0, 1)) == []
+
+
+def _node(*parts: Any) -> Any:
+    return flow.Node(1, 1, (), tuple(parts))
+
+
+def test_what_a_node_binds_part_by_part() -> None:
+    """``flow.binds`` reads every part of a node: a part that binds another name (or nothing) does not end the search."""
+    assignment = _statement("slots = 2")
+    for other in ("def other(): slots = 1", "class Other: slots = 1", "import os", "from os import path",
+                  "x: int", "slots += [1]"):
+        assert flow.binds(_node(_statement(other), assignment), "slots"), other
+    handler = _statement("try:\n    pass\nexcept E as e:\n    pass").handlers[0]
+    assert flow.binds(_node(handler, assignment), "slots") and flow.binds(_node(handler), "e")
+    assert flow.binds(_node(_statement("def slots(): pass")), "slots")
+    assert flow.binds(_node(_statement("import slots.sub")), "slots") and not flow.binds(_node(_statement("import a.slots")), "slots")
+    for alone in ("def other(): slots = 1", "slots: list", "slots += [1]", "x = [slots for slots in range(2)]",
+                  "f = lambda slots: slots"):
+        assert not flow.binds(_node(_statement(alone)), "slots"), alone
+    assert flow.binds(_node(_statement("slots = [x for x in range(2)]")), "slots")
