@@ -1006,3 +1006,16 @@ def test_what_a_node_binds_part_by_part() -> None:
                   "f = lambda slots: slots"):
         assert not flow.binds(_node(_statement(alone)), "slots"), alone
     assert flow.binds(_node(_statement("slots = [x for x in range(2)]")), "slots")
+
+
+def test_an_exception_of_a_with_item_meets_the_exits_of_the_items_before_it_only() -> None:
+    """``with a as x, b as y``: what ``b`` raises passes ``a``'s ``__exit__``, which may swallow it (the
+    code after the with runs next); what ``a`` raises meets no ``__exit__`` of this with."""
+    function = _statement("def f(a, b):\n    with a as x, b as y:\n        z = 1\n    w = 2\n")
+    graph = flow.Graph(function)
+    after = next(node.index for node in graph.nodes if node.line == 4)
+    first, second = (next(node for node in graph.nodes if node.reads and getattr(node.reads[0], "id", None) == name)
+                     for name in ("a", "b"))
+    assert after not in first.exc and after in second.exc
+    body = next(node for node in graph.nodes if node.line == 3)
+    assert after in body.exc
