@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, MutableMapping, Optional, Tuple
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -151,6 +151,11 @@ class Exported:
     def users_environment(self) -> Dict[str, str]:
         """``os.environ`` with memgather's writes taken back out."""
         environ = dict(os.environ)
+        self.take_back(environ)
+        return environ
+
+    def take_back(self, environ: MutableMapping[str, str]) -> None:
+        """Give each name of ``environ`` that still holds what was written its earlier value."""
         for name, value in self.previous.items():
             if environ.get(name) != self.written[name]:
                 continue  # set by the user since: theirs
@@ -158,7 +163,6 @@ class Exported:
                 environ.pop(name, None)
             else:
                 environ[name] = value
-        return environ
 
 
 def export(
@@ -191,10 +195,4 @@ def export(
 
 def restore(exported: Exported) -> None:
     """Undo ``export``: each name that still holds what it wrote gets its earlier value back."""
-    for name, value in exported.previous.items():
-        if os.environ.get(name) != exported.written[name]:
-            continue  # set by the user since the export: left as they set it
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    exported.take_back(os.environ)
