@@ -7,7 +7,7 @@ slots built the same way; every field a program can read is compared.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -80,12 +80,21 @@ def test_version_counters_under_dispatch_guards_are_torchs(pools: Any) -> None:
 TORCH = {"all_gather": dist.distributed_c10d.all_gather}
 
 
+@contextlib.contextmanager
+def _patched_here() -> Iterator[None]:
+    """memgather patched for this module's own calls, for the block."""
+    memgather.patch([__name__])
+    try:
+        yield
+    finally:
+        memgather.unpatch()
+
+
 def async_answers(ctx: Any) -> List[Tuple[Any, ...]]:
     """An async call's work from this module's own calls, patched for it, three times from one line
     (the later calls run on the plan kept at the call site), against torch's."""
     rows = []
-    memgather.patch([__name__])
-    try:
+    with _patched_here():
         for dtype in (torch.float32, torch.complex64, torch.int8):
             for gather in (TORCH["all_gather"], dist.all_gather) * 3:
                 t = filled(ctx.rank, (64, 3), dtype)
@@ -96,8 +105,6 @@ def async_answers(ctx: Any) -> List[Tuple[Any, ...]]:
                 answers = work_answers(work, out)
                 rows.append((str(dtype), gather is TORCH["all_gather"], answers, memgather.stats().rewired,
                              [s.tolist() for s in out]))
-    finally:
-        memgather.unpatch()
     return rows
 
 
@@ -165,12 +172,9 @@ def watched_calls(ctx: Any) -> List[Any]:
     rows = []
     for numel in (16, 1 << 14, 1 << 20):
         want = _watched_calls(TORCH["all_gather"], ctx.rank, numel)
-        memgather.patch([__name__])
-        try:
+        with _patched_here():
             got = _watched_calls(dist.all_gather, ctx.rank, numel)
             rewired = memgather.stats().rewired
-        finally:
-            memgather.unpatch()
         rows.append((numel, want, got, rewired))
     return rows
 
@@ -234,8 +238,7 @@ def result_before_completion(ctx: Any) -> List[Any]:
     import time
 
     rows = []
-    memgather.patch([__name__])
-    try:
+    with _patched_here():
         for gather in (TORCH["all_gather"], dist.all_gather):
             t = filled(ctx.rank, (64, 3))
             out = [torch.empty_like(t) for _ in range(2)]
@@ -248,8 +251,6 @@ def result_before_completion(ctx: Any) -> List[Any]:
                 early = ("raised", str(error))
             work.wait()
             rows.append((early if ctx.rank == 0 else None, [s.tolist() for s in out]))
-    finally:
-        memgather.unpatch()
     return rows
 
 
@@ -293,16 +294,13 @@ class OwnSizes(torch.Tensor):
 
 def own_sizes_slots(ctx: Any) -> List[Any]:
     rows = []
-    memgather.patch([__name__])
-    try:
+    with _patched_here():
         for gather in (TORCH["all_gather"], dist.all_gather):
             t = filled(ctx.rank, (64, 3))
             out = [OwnSizes(torch.empty_like(t)) for _ in range(2)]
             OwnSizes.seen = []
             gather(out, t)
             rows.append((sorted(set(OwnSizes.seen)), [s.elem.tolist() for s in out]))
-    finally:
-        memgather.unpatch()
     return rows
 
 
