@@ -166,12 +166,14 @@ class _Group:
     very bytes gathered from it.
     """
 
-    __slots__ = ("flat", "refs", "shape", "live", "cow", "source", "cats")
+    __slots__ = ("flat", "refs", "parts", "live", "cow", "source", "cats")
 
     def __init__(self, flat: torch.Tensor, slots: List[torch.Tensor], tensor: Optional[torch.Tensor]) -> None:
         self.flat = flat
         self.refs = [weakref.ref(slot) for slot in slots]  # no cycle: slots hold the group, not back
-        self.shape = slots[0].shape
+        # Each slot's place in the buffer, in elements from its start, and its shape, as armed: the
+        # slots of an even gather all have one shape, an uneven gather's parts each their own rows.
+        self.parts = [(slot.storage_offset() - flat.storage_offset(), slot.shape) for slot in slots]
         self.live = True
         self.cow = cow.serves(flat)
         self.source = weakref.ref(tensor) if self.cow and type(tensor) is torch.Tensor else None
@@ -368,8 +370,8 @@ def _elide_plain(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Opti
         return None
     ndim = tensors[0].dim()
     if func is torch.stack:
-        if dim not in (0, -(ndim + 1)):
-            return None
+        if dim not in (0, -(ndim + 1)) or any(shape != group.parts[0][1] for _, shape in group.parts):
+            return None  # torch.stack of parts of different rows raises: let it say so
     elif ndim == 0 or dim not in (0, -ndim):  # torch.cat refuses 0-d tensors: let it say so
         return None
     if not _invisible(group, tensors, swapped):
@@ -419,19 +421,23 @@ def _in_place(group: _Group, tensors: Sequence[torch.Tensor], swapped: int = _NO
     negative bit).
     """
     flat = group.flat
-    step = tensors[0].numel() * flat.element_size()
     base = flat.data_ptr()
-    shape = group.shape
-    strides = _slots.contiguous_strides(tuple(shape))
-    for index, t in enumerate(tensors):
-        if t.shape != shape or t.dtype != flat.dtype or t.stride() != strides:
+    for index, (t, (offset, shape)) in enumerate(zip(tensors, group.parts)):
+        if t.shape != shape or t.dtype != flat.dtype or t.stride() != _slots.contiguous_strides(tuple(shape)):
             return False
         if index == swapped:
             if t.device != flat.device or t.is_conj() or t.is_neg():
                 return False
-        elif t.data_ptr() != base + index * step:
+        elif t.numel() == 0:  # an empty view has no data pointer: its place is its offset in the one storage
+            if t.storage_offset() != flat.storage_offset() + offset or not _same_storage(t, flat):
+                return False
+        elif t.data_ptr() != base + offset * flat.element_size():
             return False
     return True
+
+
+def _same_storage(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+    return bool(tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr())
 
 
 def _holds_what_was_gathered(group: _Group, source: torch.Tensor, index: int) -> bool:
@@ -441,9 +447,9 @@ def _holds_what_was_gathered(group: _Group, source: torch.Tensor, index: int) ->
     Compared as bytes (NaNs and signed zeros included), not trusted from a version counter, which
     ``.data`` writes, numpy and raw pointers leave alone. One read of twice a rank's part: no copy.
     """
-    part = group.flat.numel() // len(group.refs)
+    offset, shape = group.parts[index]
     try:
-        gathered = group.flat.view(-1)[index * part : (index + 1) * part]
+        gathered = group.flat.view(-1)[offset : offset + shape.numel()]
         given = source.reshape(-1)
         for word in _WORDS:  # the widest integer both can be seen as: one pass, as fast as the memory reads
             try:

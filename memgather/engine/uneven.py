@@ -54,21 +54,41 @@ def gather(tensor: torch.Tensor, group: Any, gather_rows: Callable[..., Any], gl
     ``MEMGATHER_GLOO_ROUTE``. A 0-d input counts as one row. Whatever a rank finds wrong with
     the table, every rank finds: they raise alike, before any byte moves.
     """
-    source = tensor.reshape(1) if tensor.dim() == 0 and _kind(tensor) == "strided" else tensor
+    source = rows_of(tensor)
     info = groups.describe(group)
     table = layouts(gather_rows, group, source, info.world, gloo_route)
-    first = table[0]
-    if any(
-        (t.trailing, t.dtype, t.device_type, t.kind) != (first.trailing, first.dtype, first.device_type, first.kind)
-        for t in table
-    ):
+    if not alike(table):
         raise UnevenLayoutError([(t.rows, t.trailing, t.dtype, f"{t.device_type} ({t.kind})") for t in table])
-    if first.kind != "strided":
-        raise ValueError(f"memgather.gather_uneven gathers dense strided tensors; every rank's input is {first.kind}")
+    if table[0].kind != "strided":
+        kind = table[0].kind
+        raise ValueError(f"memgather.gather_uneven gathers dense strided tensors; every rank's input is {kind}")
+    return fill(source, table, group, info)
+
+
+def rows_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The input as rows: a 0-d dense tensor is one row."""
+    return tensor.reshape(1) if tensor.dim() == 0 and _kind(tensor) == "strided" else tensor
+
+
+def alike(table: Sequence[Layout]) -> bool:
+    """Whether the ranks' inputs differ in dim 0 alone (read from the table: the same answer on every rank)."""
+    first = table[0]
+    return all(
+        (t.trailing, t.dtype, t.device_type, t.kind) == (first.trailing, first.dtype, first.device_type, first.kind)
+        for t in table
+    )
+
+
+def fill(source: torch.Tensor, table: Sequence[Layout], group: Any, info: groups.GroupInfo) -> torch.Tensor:
+    """One new tensor of the table's summed rows, each rank's ``source`` rows written once at its offset.
+
+    The table must be ``alike`` and of dense strided inputs: every rank then posts the same transfers.
+    """
     rows = [t.rows for t in table]
     out = torch.empty((sum(rows), *source.shape[1:]), dtype=source.dtype, device=source.device)
     parts = list(out.split(rows))
     # Ranks set differently take the broadcasts, which every setting allows: alike on every rank.
+    first = table[0]
     setting = first.gloo_route if all(t.gloo_route == first.gloo_route for t in table) else "broadcast"
     route = _route(
         routes.backend_on(info.backend, source.device.type), source.device, setting, len({t.host for t in table}) > 1

@@ -25,7 +25,7 @@ from memgather import compat, config
 from memgather.engine import core, elision, kept, report
 from memgather.engine.call import bind
 from memgather.engine.reasons import Reason
-from memgather.patching import callers, scope, sites
+from memgather.patching import callers, helpers, padded, scope, sites
 from memgather.patching import targets as registry
 from memgather.patching.wrapper import MemgatherWrapper
 
@@ -145,6 +145,8 @@ def patch(
         )
         _exported = (written, before if _exported is None else _exported[1])
         _hook_targets(selection)
+        helpers.uninstall()  # an earlier patch()'s selection ends here, as its other settings do
+        helpers.install(lambda module: _helper_selected(module, active), active.elide)
         report.install(settings.report)
     _log.info("memgather patched all_gather for %s", ", ".join(selection.names) or "no targets")
     return True
@@ -161,6 +163,7 @@ def unpatch() -> bool:
         if _active is None:
             return False
         _active = None
+        helpers.uninstall()
         _decisions.clear()
         _chains.clear()
         sites.forget()
@@ -348,6 +351,16 @@ def _selected_module(name: str, selection: registry.Selection) -> bool:
     if name.startswith("torch.") or name == "torch":
         return False
     return selection.match(name) is not None
+
+
+def _helper_selected(module: str, active: _Active) -> bool:
+    """Whether a library helper in ``module`` is one to take over: its target selected, its gate passed."""
+    target = active.selection.match(module) if _selected_module(module, active.selection) else None
+    return target is not None and registry.gate(target, active.force).allowed
+
+
+for _helper in padded.HELPERS:
+    helpers.register(_helper)
 
 
 def _set(owner: Any, attribute: str, value: Any) -> None:
