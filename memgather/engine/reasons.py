@@ -18,6 +18,7 @@ class Strategy(str, enum.Enum):
     PARKED_REBIND = "parked_rebind"
     IN_SLOTS = "in_slots"
     STAGED = "staged"  # a temporary flat buffer, the single-tensor call, a copy into the slots where they lie
+    UNPADDED = "unpadded"  # a library's uneven gather taken over: every rank's rows once into one tensor
     INTO_RESULT = "into_result"  # memgather.gather's small call: torch's single-tensor call into its result
     FALLBACK = "fallback"
 

@@ -79,7 +79,13 @@ def alike(table: Sequence[Layout]) -> bool:
     )
 
 
-def fill(source: torch.Tensor, table: Sequence[Layout], group: Any, info: groups.GroupInfo) -> torch.Tensor:
+def fill(
+    source: torch.Tensor,
+    table: Sequence[Layout],
+    group: Any,
+    info: groups.GroupInfo,
+    strategy: Strategy = Strategy.INTO_RESULT,
+) -> torch.Tensor:
     """One new tensor of the table's summed rows, each rank's ``source`` rows written once at its offset.
 
     The table must be ``alike`` and of dense strided inputs: every rank then posts the same transfers.
@@ -97,7 +103,7 @@ def fill(source: torch.Tensor, table: Sequence[Layout], group: Any, info: groups
         parts[info.rank].copy_(source)
         sent = [_as_bytes(part) for part in parts]
         routes.fill(route, sent, sent[info.rank], group)
-    counters.record(Strategy.INTO_RESULT.value, route=route.name)
+    counters.record(strategy.value, route=route.name)
     return out
 
 

@@ -31,10 +31,22 @@ def verify(
     """Raise ``VerifyError`` on every rank if ``gathered[i]`` differs from rank i's input anywhere."""
     scratch = [torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device) for _ in gathered]
     original(scratch, tensor, group=group)
-    mine = first_difference(gathered, scratch)
+    compare(original, gathered, scratch, tensor, group, strategy)
+    compat.await_release(scratch)  # as agreement.exchange does: no hold of gloo's outlives the call
+
+
+def compare(
+    original: Callable[..., Any],
+    gathered: Sequence[torch.Tensor],
+    want: Sequence[torch.Tensor],
+    tensor: torch.Tensor,
+    group: Any,
+    strategy: str,
+) -> None:
+    """Raise ``VerifyError`` on every rank if ``gathered[i]`` differs from ``want[i]`` on any rank."""
+    mine = first_difference(gathered, want)
     row = torch.tensor([_NONE, _NONE] if mine is None else list(mine), dtype=torch.int64, device=tensor.device)
     rows = agreement.exchange(original, group, row, len(gathered))
-    compat.await_release(scratch)  # as agreement.exchange does: no hold of gloo's outlives the call
     for seen_by, (rank, index) in enumerate(rows):
         if rank != _NONE:
             raise VerifyError(

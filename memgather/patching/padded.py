@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from memgather import cow
-from memgather.engine import core, elision, group_facts, groups, uneven
+from memgather.engine import core, counters, elision, group_facts, groups, uneven, verification
+from memgather.engine.reasons import Strategy
 from memgather.patching import helpers
 
 # The widest element (complex128): a gather this small at that width is small at every dtype.
@@ -49,7 +50,24 @@ def _unpadded(tensor: torch.Tensor, group: Any, shapes: Sequence[Sequence[int]])
         return None
     if padded * tensor.element_size() < limit:
         return None
-    return uneven.fill(tensor, table, group, info)
+    out = uneven.fill(tensor, table, group, info, Strategy.UNPADDED)
+    if core.settings().verify:
+        _verify(out, tensor, group, [t.rows for t in table])
+    return out
+
+
+def _verify(out: torch.Tensor, tensor: torch.Tensor, group: Any, rows: List[int]) -> None:
+    """Verify mode: the rows against torch's own padded gather of the same input, sliced, on every
+    rank; a difference anywhere raises ``VerifyError`` on every rank (``verification.compare``)."""
+    original = core.original_all_gather()
+    with torch.no_grad():
+        padded = tensor.new_zeros((max(rows), *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        scratch = [torch.zeros_like(padded) for _ in rows]
+        original(scratch, padded, group=group)
+    want = [slot[:n] for slot, n in zip(scratch, rows)]
+    verification.compare(original, list(out.split(rows)), want, tensor, group, Strategy.UNPADDED.value)
+    counters.record_verified()
 
 
 def _arm(parts: List[torch.Tensor], out: torch.Tensor, tensor: Optional[torch.Tensor], elide: Optional[bool]) -> None:

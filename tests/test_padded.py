@@ -1,0 +1,216 @@
+"""The libraries' pad, gather, slice and cat, taken over: the library's own code against memgather's.
+
+``tests/library_code`` holds verbatim copies of the helpers memgather takes over
+(torchmetrics' ``gather_all_tensors``, MONAI's ``evenly_divisible_all_gather``), registered
+here under the copies' module names with the very replacements and digests memgather ships.
+Each rank calls a helper unpatched and then taken over, on the same input, and compares
+everything the helper hands back: each tensor's bytes, dtype, shape, strides,
+``requires_grad`` and whether it is the input itself, the error where the library raises,
+and the ``torch.cat`` of a returned list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+import memgather
+from memgather.patching import helpers, padded
+from tests.conftest import EAGER, unwrap
+from tests.library_code import monai_dist, torchmetrics_distributed
+from tests.ranks import as_bytes, make_input
+
+COPIES = {
+    "torchmetrics.gather_all_tensors": torchmetrics_distributed.__name__,
+    "monai.evenly_divisible_all_gather": monai_dist.__name__,
+}
+DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool", "complex64"]
+
+
+def _register() -> None:
+    for helper in padded.HELPERS:
+        helpers.register(dataclasses.replace(helper, key="copy of " + helper.key, module=COPIES[helper.key]))
+
+
+def _cases(world: int, seed: int) -> List[Dict[str, Any]]:
+    rng = random.Random(seed + world)
+    cases = []
+    for index, dtype in enumerate(DTYPES * 2):
+        rows = [rng.choice([0, 1, 5, 33]) for _ in range(world)]
+        if index % 4 == 0:
+            rows[rng.randrange(world)] = 0  # a rank with no rows
+        trailing = rng.choice([(), (3,), (2, 4)])
+        shapes = [(n, *trailing) for n in rows]
+        if index % 7 == 3 and trailing:  # ranks that differ past dim 0: the library's padded way
+            shapes[-1] = (rows[-1], *(d + 1 for d in trailing))
+        cases.append({"dtype": dtype, "shapes": shapes, "seed": index, "grad": index % 6 == 1 and dtype == "float32"})
+    cases.append({"dtype": "float32", "shapes": [()] * world, "seed": 90, "grad": False})  # 0-d
+    cases.append({"dtype": "float32", "shapes": [(4, 3)] * world, "seed": 91, "grad": False})  # even
+    cases.append({"dtype": "float32", "shapes": [((1 << 18) + 7 * r, 2) for r in range(world)], "seed": 92,
+                  "grad": False})  # 2 MiB a rank: past the default threshold
+    return cases
+
+
+def _input(case: Dict[str, Any], rank: int) -> torch.Tensor:
+    t = make_input(getattr(torch, case["dtype"]), tuple(case["shapes"][rank]), case["seed"] * 10 + rank)
+    return t.requires_grad_() if case["grad"] else t
+
+
+def _seen(value: Any, given: torch.Tensor) -> Any:
+    """What a caller can read of a helper's answer."""
+    if isinstance(value, torch.Tensor):
+        return (as_bytes(value), value.dtype, tuple(value.shape), value.stride(), value.requires_grad,
+                value is given, value.is_contiguous(), type(value) is torch.Tensor or type(value).__name__)
+    if isinstance(value, list):
+        return [_seen(v, given) for v in value]
+    return repr(value)
+
+
+def _call(function: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return function(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the error is what is compared
+        return f"{type(error).__name__}: {error}"
+
+
+def _answers(given: torch.Tensor, case: Dict[str, Any]) -> List[Any]:
+    """Every helper's answer to ``given``, as a caller sees it, and the cat of each returned list
+    (MONAI's where the ranks differ in dim 0 alone, as it requires: else its own gather breaks)."""
+    out = []
+    gathered = _call(torchmetrics_distributed.gather_all_tensors, given)
+    cat = _call(torch.cat, gathered) if isinstance(gathered, list) else None  # first: as torchmetrics does
+    out.append(_seen(gathered, given))
+    out.append(_seen(cat, given))
+    out.append(cat._version if isinstance(cat, torch.Tensor) else None)
+    if len({tuple(shape)[1:] for shape in case["shapes"]}) > 1:
+        return out
+    for concat in (True, False):
+        out.append(_seen(_call(monai_dist.evenly_divisible_all_gather, given, concat=concat), given))
+    return out
+
+
+def compared(ctx: Any, cases: List[Dict[str, Any]]) -> List[Tuple[bool, str, Dict[str, int]]]:
+    _register()
+    results = []
+    for case in cases:
+        given = _input(case, ctx.rank)
+        theirs = _answers(given, case)
+        memgather.patch(["tests.library_code"])
+        try:
+            taken = helpers.taken_over()
+            memgather.reset_stats()
+            ours = _answers(given, case)
+            routes = dict(memgather.stats().by_route)
+        finally:
+            memgather.unpatch()
+        results.append((ours == theirs, f"{case} taken over: {taken}", routes))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_taken_over_helpers_answer_as_the_libraries_own_code(pools: Any, world: int) -> None:
+    cases = _cases(world, 20261205)
+    for rank, results in enumerate(unwrap(pools(world, **EAGER).run(compared, cases))):
+        for case, (same, label, routes) in zip(cases, results):
+            assert same, f"rank {rank}: {label}"
+            assert "torchmetrics_distributed.gather_all_tensors" in label and "monai_dist.evenly" in label, label
+    # The uneven cases of one trailing shape went unpadded: broadcasts into one tensor.
+    assert any(routes.get("broadcast") for _, _, routes in results), results
+
+
+def test_taken_over_helpers_under_distributed_debug_detail(pools: Any) -> None:
+    """torch checks that every rank issues matching collectives: no rank takes another way."""
+    cases = _cases(3, 777)[:8]
+    environment = {**EAGER, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    for rank, results in enumerate(unwrap(pools(3, **environment).run(compared, cases))):
+        assert all(same for same, _, _ in results), (rank, [label for same, label, _ in results if not same])
+
+
+def test_small_uneven_gathers_take_the_librarys_padded_way(pools: Any) -> None:
+    """Under the threshold (2 MiB a rank on gloo) torch's one gather is quicker: nothing is broadcast."""
+    cases = [c for c in _cases(2, 5) if c["dtype"] == "float32"][:3]
+    for rank, results in enumerate(unwrap(pools(2).run(compared, cases))):
+        for same, label, routes in results:
+            assert same, (rank, label)
+            assert not routes.get("broadcast"), (rank, label, routes)
+
+
+def elided(ctx: Any) -> Dict[str, Any]:
+    """torchmetrics' list, uneven: its cat is the gathered tensor, as a copy-on-write snapshot."""
+    _register()
+    given = torch.arange(3 + 2 * ctx.rank, dtype=torch.float32) + 100 * ctx.rank
+    memgather.patch(["tests.library_code"])
+    try:
+        gathered = torchmetrics_distributed.gather_all_tensors(given)
+        kinds = [type(t).__name__ for t in gathered]
+        cat = torch.cat(gathered)
+        elided_now = torch._C._is_cow_tensor(cat)
+        values = cat.tolist()
+        memgather.patch(["tests.library_code"], elide=False)
+        unarmed = [type(t).__name__ for t in torchmetrics_distributed.gather_all_tensors(given)]
+    finally:
+        memgather.unpatch()
+    return {"kinds": kinds, "cow": elided_now, "values": values, "unarmed": unarmed}
+
+
+def test_the_cat_of_torchmetrics_list_is_elided(pools: Any) -> None:
+    want = [float(v) for r in range(2) for v in (torch.arange(3 + 2 * r) + 100 * r).tolist()]
+    for rank, got in enumerate(unwrap(pools(2, **EAGER).run(elided))):
+        assert got["values"] == want
+        assert got["cow"], got
+        # Its own rank's entry is the input itself; the other rank's is armed for the cat.
+        assert got["kinds"][rank] == "Tensor" and got["kinds"][1 - rank] == "ElidableSlot", got
+        assert got["unarmed"] == ["Tensor", "Tensor"], got
+
+
+def test_recognised_by_code_and_given_back() -> None:
+    """The helper's own code, as its source reads, comes back on unpatch(); a changed copy is left alone."""
+    _register()
+    function = torchmetrics_distributed.gather_all_tensors
+    code, signature, source = function.__code__, inspect.signature(function), inspect.getsource(function)
+    changed: Dict[str, Any] = {}
+    exec(source.replace("result.contiguous()", "result.clone()"), vars(torchmetrics_distributed).copy(), changed)
+    helper = next(h for h in padded.HELPERS if h.key == "torchmetrics.gather_all_tensors")
+    assert helpers.recognise(helper, function) is None
+    assert helpers.recognise(helper, changed["gather_all_tensors"]) is not None
+    memgather.patch(["tests.library_code"])
+    try:
+        assert function.__code__ is not code
+        assert inspect.signature(function) == signature and inspect.getsource(function) == source
+        assert sorted(helpers.taken_over()) == sorted(f"{m}.{h.name}" for h, m in
+                                                      ((h, COPIES[h.key]) for h in padded.HELPERS))
+        with memgather.disabled():  # the library's own code runs (here without a group: its own error)
+            with pytest.raises((ValueError, RuntimeError)):
+                function(torch.ones(2))
+    finally:
+        memgather.unpatch()
+    assert function.__code__ is code and helpers.taken_over() == []
+    memgather.patch(["somewhere.else"])  # a selection without the library: its helper is its own
+    try:
+        assert function.__code__ is code
+    finally:
+        memgather.unpatch()
+
+
+def verified(ctx: Any) -> Dict[str, int]:
+    _register()
+    given = torch.arange((4 + 3 * ctx.rank) * 2, dtype=torch.float32).reshape(-1, 2)
+    memgather.patch(["tests.library_code"], verify=True)
+    try:
+        memgather.reset_stats()
+        torchmetrics_distributed.gather_all_tensors(given)
+        monai_dist.evenly_divisible_all_gather(given, concat=True)
+        stats = memgather.stats()
+    finally:
+        memgather.unpatch()
+    return {"verified": stats.verified, "rewired": stats.rewired, "unpadded": stats.by_strategy.get("unpadded", 0)}
+
+
+def test_verify_mode_checks_the_unpadded_rows_against_torchs_padded_gather(pools: Any) -> None:
+    for got in unwrap(pools(2, **EAGER).run(verified)):
+        assert got == {"verified": 2, "rewired": 2, "unpadded": 2}, got
