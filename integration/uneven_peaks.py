@@ -11,7 +11,9 @@ more mapped afresh and unmapped when freed: ``rss.track_allocations``):
 - torchmetrics ``CatMetric.compute()``: its list state synced (``gather_all_tensors``, uneven:
   padded to the longest rank by torchmetrics), then concatenated; the result is every rank's values;
 - MONAI ``evenly_divisible_all_gather(data, concat=True)``: padded to the longest rank by MONAI;
-- MONAI ``Cumulative.get_buffer()``: its buffer stacked, then as above.
+- MONAI ``Cumulative.get_buffer()``: its buffer stacked, then as above;
+- Ignite ``idist.all_gather_tensors_with_shapes(tensor, shapes)`` (padded to the longest rank by
+  Ignite, gathered, each rank's slice returned), then ``torch.cat`` of the list.
 
 The calls of the libraries installed run: the ``newest`` tox environment has both, with Ignite,
 through which MONAI then gathers; the ``monai`` one has MONAI alone, which then gathers
@@ -56,12 +58,23 @@ def _cumulative(local: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: buffer.get_buffer()
 
 
+def _with_shapes(local: torch.Tensor) -> Callable[[], torch.Tensor]:
+    import ignite.distributed as idist
+
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, torch.tensor([local.numel()]))
+    shapes = [[int(n)] for n in lengths]
+    # The list of every rank's tensor, concatenated here so that one tensor is the call's result.
+    return lambda: torch.cat(idist.all_gather_tensors_with_shapes(local, shapes))
+
+
 CALLS: Dict[str, Callable[[torch.Tensor], Callable[[], torch.Tensor]]] = {
     name: make
     for name, make, library in (
         ("torchmetrics CatMetric.compute()", _cat_metric, "torchmetrics"),
         ("MONAI evenly_divisible_all_gather(concat=True)", _evenly, "monai"),
         ("MONAI Cumulative.get_buffer()", _cumulative, "monai"),
+        ("Ignite all_gather_tensors_with_shapes + torch.cat", _with_shapes, "ignite"),
     )
     if importlib.util.find_spec(library) is not None  # the calls of the libraries installed here
 }

@@ -22,19 +22,21 @@ import torch
 import memgather
 from memgather.patching import helpers, padded
 from tests.conftest import EAGER, unwrap
-from tests.library_code import monai_dist, torchmetrics_distributed
+from tests.library_code import lightning_distributed, monai_dist, torchmetrics_distributed
 from tests.ranks import as_bytes, make_input
 
 COPIES = {
     "torchmetrics.gather_all_tensors": torchmetrics_distributed.__name__,
     "monai.evenly_divisible_all_gather": monai_dist.__name__,
-}
+    "lightning_fabric._gather_all_tensors": lightning_distributed.__name__,
+}  # Ignite's helper reads Ignite's own computation model: its environment runs it (integration/)
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool", "complex64"]
 
 
 def _register() -> None:
     for helper in padded.HELPERS:
-        helpers.register(dataclasses.replace(helper, key="copy of " + helper.key, module=COPIES[helper.key]))
+        if helper.key in COPIES:
+            helpers.register(dataclasses.replace(helper, key="copy of " + helper.key, module=COPIES[helper.key]))
 
 
 def _cases(world: int, seed: int) -> List[Dict[str, Any]]:
@@ -82,11 +84,12 @@ def _answers(given: torch.Tensor, case: Dict[str, Any]) -> List[Any]:
     """Every helper's answer to ``given``, as a caller sees it, and the cat of each returned list
     (MONAI's where the ranks differ in dim 0 alone, as it requires: else its own gather breaks)."""
     out = []
-    gathered = _call(torchmetrics_distributed.gather_all_tensors, given)
-    cat = _call(torch.cat, gathered) if isinstance(gathered, list) else None  # first: as torchmetrics does
-    out.append(_seen(gathered, given))
-    out.append(_seen(cat, given))
-    out.append(cat._version if isinstance(cat, torch.Tensor) else None)
+    for helper in (torchmetrics_distributed.gather_all_tensors, lightning_distributed._gather_all_tensors):
+        gathered = _call(helper, given)
+        cat = _call(torch.cat, gathered) if isinstance(gathered, list) else None  # first: as their callers do
+        out.append(_seen(gathered, given))
+        out.append(_seen(cat, given))
+        out.append(cat._version if isinstance(cat, torch.Tensor) else None)
     if len({tuple(shape)[1:] for shape in case["shapes"]}) > 1:
         return out
     for concat in (True, False):
@@ -118,7 +121,9 @@ def test_taken_over_helpers_answer_as_the_libraries_own_code(pools: Any, world: 
     for rank, results in enumerate(unwrap(pools(world, **EAGER).run(compared, cases))):
         for case, (same, label, routes) in zip(cases, results):
             assert same, f"rank {rank}: {label}"
-            assert "torchmetrics_distributed.gather_all_tensors" in label and "monai_dist.evenly" in label, label
+            for copy in ("torchmetrics_distributed.gather_all_tensors", "monai_dist.evenly_divisible_all_gather",
+                         "lightning_distributed._gather_all_tensors"):
+                assert copy in label, label
     # The uneven cases of one trailing shape went unpadded: broadcasts into one tensor.
     assert any(routes.get("broadcast") for _, _, routes in results), results
 
@@ -182,8 +187,9 @@ def test_recognised_by_code_and_given_back() -> None:
     try:
         assert function.__code__ is not code
         assert inspect.signature(function) == signature and inspect.getsource(function) == source
-        assert sorted(helpers.taken_over()) == sorted(f"{m}.{h.name}" for h, m in
-                                                      ((h, COPIES[h.key]) for h in padded.HELPERS))
+        assert sorted(helpers.taken_over()) == sorted(
+            f"{COPIES[h.key]}.{h.name}" for h in padded.HELPERS if h.key in COPIES
+        )
         with memgather.disabled():  # the library's own code runs (here without a group: its own error)
             with pytest.raises((ValueError, RuntimeError)):
                 function(torch.ones(2))

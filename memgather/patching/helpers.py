@@ -199,9 +199,9 @@ def _on_import(helper: Helper) -> Callable[[types.ModuleType], None]:
 
 
 def _take_over(helper: Helper, module: types.ModuleType) -> None:
-    if helper.key in _installed:
-        return
     function = getattr(module, helper.name, None)
+    if helper.key in _installed or any(entry.function is function for entry in _installed.values()):
+        return  # taken over already (one module's function reached under two names)
     why = recognise(helper, function)
     if why is not None:
         _log.info("memgather leaves %s.%s as it is: %s", helper.module, helper.name, why)

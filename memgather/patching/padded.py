@@ -16,6 +16,8 @@ as after any rebind (docs/calls.md).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -46,8 +48,13 @@ def _unpadded(tensor: torch.Tensor, group: Any, shapes: Sequence[Sequence[int]])
     if padded * _WIDEST < limit:
         return None  # small at any dtype: torch's one gather is quicker than a transfer per rank
     table = uneven.layouts(core.original_all_gather(), group, tensor, info.world, core.settings().gloo_route)
-    if not uneven.alike(table) or table[0].kind != "strided" or [t.rows for t in table] != [s[0] for s in shapes]:
-        return None
+    if (
+        not uneven.alike(table)
+        or table[0].kind != "strided"
+        or [t.rows for t in table] != [s[0] for s in shapes]
+        or table[0].trailing != first[1:]
+    ):
+        return None  # the tensors are not what the sizes the helper read say: its own way, which says so
     if padded * tensor.element_size() < limit:
         return None
     out = uneven.fill(tensor, table, group, info, Strategy.UNPADDED)
@@ -80,6 +87,18 @@ def _arm(parts: List[torch.Tensor], out: torch.Tensor, tensor: Optional[torch.Te
 def gather_all_tensors(original: Callable[..., Any], namespace: Dict[str, Any], result: Any, group: Any = None) -> Any:
     """torchmetrics' ``utilities.distributed.gather_all_tensors``: a list of every rank's ``result``,
     its own rank's entry ``result`` itself."""
+    return _gather_all_tensors(namespace, result, group, own_entry_is_input=True)
+
+
+def lightning_gather_all_tensors(
+    original: Callable[..., Any], namespace: Dict[str, Any], result: Any, group: Any = None
+) -> Any:
+    """Lightning Fabric's ``utilities.distributed._gather_all_tensors``, torchmetrics' copy: every
+    entry of its list is gathered, its own rank's too."""
+    return _gather_all_tensors(namespace, result, group, own_entry_is_input=False)
+
+
+def _gather_all_tensors(namespace: Dict[str, Any], result: Any, group: Any, own_entry_is_input: bool) -> Any:
     if group is None:
         group = torch.distributed.group.WORLD
     result = result.contiguous()
@@ -97,9 +116,10 @@ def gather_all_tensors(original: Callable[..., Any], namespace: Dict[str, Any], 
     out = _unpadded(result, group, [ls.tolist() for ls in local_sizes])
     if out is not None:
         gathered_result = list(out.split([int(ls[0]) for ls in local_sizes]))
-        _arm(gathered_result, out, result, helpers.elide_setting())
+        _arm(gathered_result, out, result if own_entry_is_input else None, helpers.elide_setting())
     else:
-        with torch.no_grad():
+        # torchmetrics pads under no_grad; Lightning's copy does not (its slots never require grad either way).
+        with torch.no_grad() if own_entry_is_input else contextlib.nullcontext():
             pad_dims = []
             pad_by = (max_size - local_size).detach().cpu()
             for val in reversed(pad_by):
@@ -111,8 +131,47 @@ def gather_all_tensors(original: Callable[..., Any], namespace: Dict[str, Any], 
             for idx, item_size in enumerate(local_sizes):
                 slice_param = [slice(dim_size) for dim_size in item_size]
                 gathered_result[idx] = gathered_result[idx][tuple(slice_param)]
-    gathered_result[torch.distributed.get_rank(group)] = result
+    if own_entry_is_input:
+        gathered_result[torch.distributed.get_rank(group)] = result
     return gathered_result
+
+
+def all_gather_tensors_with_shapes(
+    original: Callable[..., Any], namespace: Dict[str, Any], tensor: Any, shapes: Any, group: Any = None
+) -> Any:
+    """Ignite's ``distributed.utils.all_gather_tensors_with_shapes``: every rank's ``tensor``, each of
+    the shape ``shapes`` gives it, as a list of views of one tensor."""
+    model = namespace["_model"]
+    if namespace["_need_to_sync"] and isinstance(model, namespace["_SerialModel"]):
+        namespace["sync"](temporary=True)
+        model = namespace["_model"]
+    if isinstance(group, list) and all(isinstance(item, int) for item in group):
+        group = model.new_group(group)
+    if namespace["_rank_not_in_group"](group):
+        return [tensor]
+    out = None
+    if getattr(model, "name", None) == "native-dist" and isinstance(tensor, torch.Tensor):
+        listed = [tuple(int(d) for d in shape) for shape in shapes]
+        out = _unpadded(tensor, group, listed)
+    if out is not None:
+        parts = list(out.split([shape[0] for shape in listed]))
+        _arm(parts, out, None, helpers.elide_setting())
+        return parts
+    max_shape = torch.tensor(shapes).amax(dim=0)
+    padding_sizes = (max_shape - torch.tensor(tensor.shape)).tolist()
+    padded_tensor = torch.nn.functional.pad(
+        tensor, tuple(itertools.chain.from_iterable(map(lambda dim_size: (0, dim_size), reversed(padding_sizes))))
+    )
+    all_padded_tensors: torch.Tensor = model.all_gather(padded_tensor, group=group)
+    return [
+        all_padded_tensors[
+            [
+                slice(rank * max_shape[0] if dim == 0 else 0, rank * max_shape[0] + dim_size if dim == 0 else dim_size)
+                for dim, dim_size in enumerate(shape)
+            ]
+        ]
+        for rank, shape in enumerate(shapes)
+    ]
 
 
 def evenly_divisible_all_gather(
@@ -219,5 +278,32 @@ HELPERS = (
             ("get_dist_device", callable),
         ),
         evenly_divisible_all_gather,
+    ),
+    helpers.Helper(
+        "ignite.all_gather_tensors_with_shapes",
+        "ignite.distributed.utils",
+        "all_gather_tensors_with_shapes",
+        ("248fdfdfebb4189ca0c60e9fd1f3a1cf",),  # PyTorch-Ignite 0.5.5
+        (
+            ("torch", _is(torch)),
+            ("itertools", _is(itertools)),
+            ("_need_to_sync", lambda value: isinstance(value, bool)),
+            ("_SerialModel", lambda value: isinstance(value, type)),
+            ("_model", lambda value: True),
+            ("sync", callable),
+            ("_rank_not_in_group", callable),
+        ),
+        all_gather_tensors_with_shapes,
+    ),
+    *(
+        helpers.Helper(
+            f"{module}._gather_all_tensors",
+            f"{module}.utilities.distributed",
+            "_gather_all_tensors",
+            ("9566de1e61f706499ee3863824cfa1aa",),  # Lightning 2.6.6 (both of its namespaces)
+            (("torch", _is(torch)), ("F", _is(torch.nn.functional)), ("_simple_gather_all_tensors", callable)),
+            lightning_gather_all_tensors,
+        )
+        for module in ("lightning_fabric", "lightning.fabric")
     ),
 )
