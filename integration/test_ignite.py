@@ -18,12 +18,13 @@ DO_ALL_GATHER = "ignite.distributed.comp_models.native:_NativeDistModel._do_all_
 def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
     runs = compare("ignite", tmp_path)
     for report in runs["memgather"].reports.values():
-        # Over gloo's 2 MiB per rank: the big, grouped and shaped gathers, and the predictions and
-        # targets of EpochMetric and ROC_AUC: each rebound, and its cat returns the gathered buffer.
-        # Under it: the bfloat16 (1.5 MiB), 0-d, small, number and string gathers. The
-        # transposed input's zeros_like slots keep its strides and stay with torch.
-        assert report.calls == 13 and report.rewired == 7 == report.elided, report.line
-        assert report.strategies == {"rebind": 7, "fallback": 6}, report.line
+        # Over gloo's 2 MiB per rank: the big and grouped gathers, and the predictions and targets
+        # of EpochMetric and ROC_AUC: each rebound, and its cat returns the gathered buffer. The
+        # shaped one (all_gather_tensors_with_shapes, taken over): every rank's rows once into one
+        # tensor, unpadded, its views returned. Under it: the bfloat16 (1.5 MiB), 0-d, small, number
+        # and string gathers. The transposed input's zeros_like slots keep its strides and stay with torch.
+        assert report.calls == 13 and report.rewired == 7 and report.elided == 6, report.line
+        assert report.strategies == {"rebind": 6, "unpadded": 1, "fallback": 6}, report.line
     for report in runs["verify"].reports.values():
         assert report.calls == 13 and report.rewired == 12 == report.verified, report.line
 

@@ -151,9 +151,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--mib needs two ranks or more, each above 0; --repeat at least 1")
     rows = measure(mib, args.repeat)
     print(f"peak resident-set growth during the call, as a multiple of its result ({sum(mib):g} MiB), medians")
-    print(f"{'call':<48} rank  MiB    torch   memgather  same")
+    print(f"{'call':<50} rank  MiB    torch   memgather  same")
     for row in rows:
-        print(f"{row['call']:<48} {row['rank']:<5} {row['mib']:<6g} {row['torch']:.3f} x  {row['memgather']:.3f} x"
+        print(f"{row['call']:<50} {row['rank']:<5} {row['mib']:<6g} {row['torch']:.3f} x  {row['memgather']:.3f} x"
               f"    {'yes' if row['same'] else 'NO'}")
     return 0 if all(row["same"] for row in rows) else 1
 

@@ -172,3 +172,13 @@ def test_gather_uneven_on_nccl_writes_each_ranks_rows_once() -> None:
         for rows, equal, shape, peak, result_bytes in results:
             assert equal and shape == [sum(rows), 3], rows
             assert peak <= result_bytes + MIB, (rows, peak, result_bytes)
+
+
+def test_taken_over_helpers_on_nccl_answer_as_the_libraries_own_code() -> None:
+    """torchmetrics', Lightning's and MONAI's uneven gathers on CUDA tensors over NCCL: unpadded, one
+    broadcast per rank into one tensor, everything the helpers return as their own code returns it."""
+    from tests.test_padded import HELPERS_TWO_RANKS
+
+    for results in nccl_ranks.run(HELPERS_TWO_RANKS, "nccl", env={"MEMGATHER_NCCL_MIN_BYTES": "0"}):
+        for shapes, same, unpadded in results:
+            assert same and unpadded == 4, (shapes, unpadded)

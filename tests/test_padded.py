@@ -66,7 +66,7 @@ def _input(case: Dict[str, Any], rank: int) -> torch.Tensor:
 def _seen(value: Any, given: torch.Tensor) -> Any:
     """What a caller can read of a helper's answer."""
     if isinstance(value, torch.Tensor):
-        return (as_bytes(value), value.dtype, tuple(value.shape), value.stride(), value.requires_grad,
+        return (as_bytes(value.detach().cpu()), value.dtype, tuple(value.shape), value.stride(), value.requires_grad,
                 value is given, value.is_contiguous(), type(value) is torch.Tensor or type(value).__name__)
     if isinstance(value, list):
         return [_seen(v, given) for v in value]
@@ -156,11 +156,16 @@ def elided(ctx: Any) -> Dict[str, Any]:
         cat = torch.cat(gathered)
         elided_now = torch._C._is_cow_tensor(cat)
         values = cat.tolist()
+        fabric = lightning_distributed._gather_all_tensors(given)
+        fabric_kinds = [type(t).__name__ for t in fabric]
+        fabric_cat = torch.cat(fabric)
+        fabric_elided = torch._C._is_cow_tensor(fabric_cat) and fabric_cat.tolist() == values
         memgather.patch(["tests.library_code"], elide=False)
         unarmed = [type(t).__name__ for t in torchmetrics_distributed.gather_all_tensors(given)]
     finally:
         memgather.unpatch()
-    return {"kinds": kinds, "cow": elided_now, "values": values, "unarmed": unarmed}
+    return {"kinds": kinds, "cow": elided_now, "values": values, "unarmed": unarmed,
+            "fabric": (fabric_kinds, fabric_elided)}
 
 
 def test_the_cat_of_torchmetrics_list_is_elided(pools: Any) -> None:
@@ -171,6 +176,8 @@ def test_the_cat_of_torchmetrics_list_is_elided(pools: Any) -> None:
         # Its own rank's entry is the input itself; the other rank's is armed for the cat.
         assert got["kinds"][rank] == "Tensor" and got["kinds"][1 - rank] == "ElidableSlot", got
         assert got["unarmed"] == ["Tensor", "Tensor"], got
+        # Lightning's copy returns every entry gathered, its own too: all armed, the cat elided.
+        assert got["fabric"] == (["ElidableSlot", "ElidableSlot"], True), got
 
 
 def test_recognised_by_code_and_given_back() -> None:
@@ -220,3 +227,32 @@ def verified(ctx: Any) -> Dict[str, int]:
 def test_verify_mode_checks_the_unpadded_rows_against_torchs_padded_gather(pools: Any) -> None:
     for got in unwrap(pools(2, **EAGER).run(verified)):
         assert got == {"verified": 2, "rewired": 2, "unpadded": 2}, got
+
+
+# The helpers' copies on two ranks of the script's backend (gloo here; NCCL in tests/test_cuda.py, which
+# benchmarks/gpu_check.py runs on a GPU): each copy unpatched, then taken over, every threshold off.
+HELPERS_TWO_RANKS = """
+import memgather
+from tests import test_padded as T
+DEVICE = "cpu" if dist.get_backend() == "gloo" else "cuda"
+T._register()
+results = []
+for shapes in ([(3 << 16, 4), (1 << 16, 4)], [(0, 3), (5, 3)], [(7,), (0,)]):
+    given = T._input({"dtype": "float32", "shapes": shapes, "seed": 3, "grad": False}, RANK).to(DEVICE)
+    theirs = T._answers(given, {"shapes": shapes})
+    memgather.patch(["tests.library_code"])
+    memgather.reset_stats()
+    ours = T._answers(given, {"shapes": shapes})
+    unpadded = memgather.stats().by_strategy.get("unpadded", 0)
+    memgather.unpatch()
+    results.append([shapes, ours == theirs, unpadded])
+print(json.dumps(results))
+"""
+
+
+def test_the_two_rank_helpers_script_the_gpu_runs_passes_on_gloo() -> None:
+    from tests import nccl_ranks
+
+    for results in nccl_ranks.run(HELPERS_TWO_RANKS, backend="gloo", env=EAGER, timeout_s=180):
+        for shapes, same, unpadded in results:
+            assert same and unpadded == 4, (shapes, unpadded)  # torchmetrics', Lightning's, MONAI's twice
