@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import memgather
-from memgather.patching import helpers, padded
+from memgather.patching import helpers, library_helpers, padded
 from tests.conftest import EAGER, unwrap
 from tests.library_code import lightning_distributed, monai_dist, torchmetrics_distributed
 from tests.ranks import as_bytes, make_input
@@ -34,7 +34,7 @@ DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8",
 
 
 def _register() -> None:
-    for helper in padded.HELPERS:
+    for helper in library_helpers.HELPERS:
         if helper.key in COPIES:
             helpers.register(dataclasses.replace(helper, key="copy of " + helper.key, module=COPIES[helper.key]))
 
@@ -52,6 +52,9 @@ def _cases(world: int, seed: int) -> List[Dict[str, Any]]:
             shapes[-1] = (rows[-1], *(d + 1 for d in trailing))
         cases.append({"dtype": dtype, "shapes": shapes, "seed": index, "grad": index % 6 == 1 and dtype == "float32"})
     cases.append({"dtype": "float32", "shapes": [()] * world, "seed": 90, "grad": False})  # 0-d
+    for permuted in (0, world - 1):  # a transposed input: its own slots keep its strides under torch
+        cases.append({"dtype": "float32", "shapes": [(9 - r, 4) for r in range(world)], "seed": 93 + permuted,
+                      "grad": False, "permuted": permuted})
     cases.append({"dtype": "float32", "shapes": [(4, 3)] * world, "seed": 91, "grad": False})  # even
     cases.append({"dtype": "float32", "shapes": [((1 << 18) + 7 * r, 2) for r in range(world)], "seed": 92,
                   "grad": False})  # 2 MiB a rank: past the default threshold
@@ -59,7 +62,8 @@ def _cases(world: int, seed: int) -> List[Dict[str, Any]]:
 
 
 def _input(case: Dict[str, Any], rank: int) -> torch.Tensor:
-    t = make_input(getattr(torch, case["dtype"]), tuple(case["shapes"][rank]), case["seed"] * 10 + rank)
+    layout = "permuted" if case.get("permuted") == rank else "contiguous"
+    t = make_input(getattr(torch, case["dtype"]), tuple(case["shapes"][rank]), case["seed"] * 10 + rank, layout)
     return t.requires_grad_() if case["grad"] else t
 
 
@@ -187,7 +191,7 @@ def test_recognised_by_code_and_given_back() -> None:
     code, signature, source = function.__code__, inspect.signature(function), inspect.getsource(function)
     changed: Dict[str, Any] = {}
     exec(source.replace("result.contiguous()", "result.clone()"), vars(torchmetrics_distributed).copy(), changed)
-    helper = next(h for h in padded.HELPERS if h.key == "torchmetrics.gather_all_tensors")
+    helper = next(h for h in library_helpers.HELPERS if h.key == "torchmetrics.gather_all_tensors")
     assert helpers.recognise(helper, function) is None
     assert helpers.recognise(helper, changed["gather_all_tensors"]) is not None
     memgather.patch(["tests.library_code"])
@@ -195,7 +199,7 @@ def test_recognised_by_code_and_given_back() -> None:
         assert function.__code__ is not code
         assert inspect.signature(function) == signature and inspect.getsource(function) == source
         assert sorted(helpers.taken_over()) == sorted(
-            f"{COPIES[h.key]}.{h.name}" for h in padded.HELPERS if h.key in COPIES
+            f"{COPIES[h.key]}.{h.name}" for h in library_helpers.HELPERS if h.key in COPIES
         )
         with memgather.disabled():  # the library's own code runs (here without a group: its own error)
             with pytest.raises((ValueError, RuntimeError)):
@@ -256,3 +260,15 @@ def test_the_two_rank_helpers_script_the_gpu_runs_passes_on_gloo() -> None:
     for results in nccl_ranks.run(HELPERS_TWO_RANKS, backend="gloo", env=EAGER, timeout_s=180):
         for shapes, same, unpadded in results:
             assert same and unpadded == 4, (shapes, unpadded)  # torchmetrics', Lightning's, MONAI's twice
+
+
+def test_doctor_reads_each_helpers_code_from_its_file_without_importing_it() -> None:
+    _register()
+    states = dict(helpers.survey())
+    assert states[f"{torchmetrics_distributed.__name__}.gather_all_tensors"].startswith("recognised"), states
+    assert states[f"{monai_dist.__name__}.evenly_divisible_all_gather"].startswith("recognised"), states
+    assert states["ignite.distributed.utils.all_gather_tensors_with_shapes"] == "not installed", states
+    changed = helpers.Helper("changed", torchmetrics_distributed.__name__, "gather_all_tensors", ("0" * 32,), (),
+                             "memgather.patching.padded:gather_all_tensors")
+    missing = dataclasses.replace(changed, key="missing", name="no_such_function")
+    assert "not a shape" in helpers._state_on_disk(changed) and "not defined" in helpers._state_on_disk(missing)

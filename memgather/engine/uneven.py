@@ -32,7 +32,7 @@ from memgather.errors import UnevenLayoutError
 
 _DEVICE_TYPES = ("cpu", "cuda")
 # What a rank's input is, beyond its sizes: only dense strided tensors are gathered as bytes.
-_KINDS = ("strided", "sparse or another layout", "quantized", "meta")
+_KINDS = ("strided", "sparse or another layout", "quantized", "meta", "a tensor subclass", "not contiguous")
 
 
 class Layout(NamedTuple):
@@ -108,10 +108,24 @@ def fill(
 
 
 def layouts(
-    gather_rows: Callable[..., Any], group: Any, tensor: torch.Tensor, world: int, gloo_route: str = "auto"
+    gather_rows: Callable[..., Any],
+    group: Any,
+    tensor: torch.Tensor,
+    world: int,
+    gloo_route: str = "auto",
+    plain_contiguous: bool = False,
 ) -> List[Layout]:
-    """Every rank's ``Layout``, in group rank order, through one exchange of int64 rows."""
+    """Every rank's ``Layout``, in group rank order, through one exchange of int64 rows.
+
+    ``plain_contiguous``: a tensor subclass, or a strided tensor that is not contiguous, is a kind of
+    its own (for a caller whose result must keep the input's class and strides).
+    """
     kind = _kind(tensor)
+    if plain_contiguous and kind == "strided":
+        if type(tensor) is not torch.Tensor:
+            kind = "a tensor subclass"
+        elif not tensor.is_contiguous():
+            kind = "not contiguous"
     shape = tuple(tensor.shape) if tensor.dim() else (1,)
     trailing = shape[1:]
     device = _DEVICE_TYPES.index(tensor.device.type) if tensor.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
+import importlib.util
 import inspect
 import logging
 import sys
@@ -36,7 +38,8 @@ import textwrap
 import threading
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import wrapt
 
@@ -54,8 +57,9 @@ class Helper:
 
     ``module`` / ``name``: where it is defined. ``shapes``: the digests (``digest``) of the code
     it is taken over for. ``expects``: module-level names the code reads, and a test each must
-    pass (the replacement reads the same names). ``replacement``: called as
-    ``replacement(original, namespace, *args, **kwargs)`` with the library's own function.
+    pass (the replacement reads the same names). ``replacement``: ``"module:function"``, imported
+    when the helper is taken over, and called as ``replacement(original, namespace, *args, **kwargs)``
+    with the library's own function.
     """
 
     key: str
@@ -63,7 +67,7 @@ class Helper:
     name: str
     shapes: Tuple[str, ...]
     expects: Tuple[Tuple[str, Callable[[Any], bool]], ...]
-    replacement: Callable[..., Any]
+    replacement: str
 
 
 @dataclass
@@ -72,6 +76,7 @@ class _Installed:
     function: types.FunctionType
     code: types.CodeType  # the library's own
     original: types.FunctionType  # a function of the library's own code, for the paths memgather leaves
+    replacement: Callable[..., Any]
 
 
 _lock = threading.RLock()
@@ -99,7 +104,47 @@ def digest(function: Any) -> Optional[str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError, IndentationError):
         return None
-    return hashlib.sha256(_canonical(tree.body[0] if len(tree.body) == 1 else tree).encode()).hexdigest()[:32]
+    return _digest_of(tree.body[0] if len(tree.body) == 1 else tree)
+
+
+def _digest_of(node: Any) -> str:
+    return hashlib.sha256(_canonical(node).encode()).hexdigest()[:32]
+
+
+def survey(known: Optional[Iterable[Helper]] = None) -> List[Tuple[str, str]]:
+    """Each helper (default: the registered ones), as ``module.name``, and what ``patch()`` would make
+    of its installed code, read from the library's files without importing the library (for
+    ``memgather doctor``)."""
+    found = []
+    for helper in _registry.values() if known is None else known:
+        found.append((f"{helper.module}.{helper.name}", _state_on_disk(helper)))
+    return found
+
+
+def _state_on_disk(helper: Helper) -> str:
+    top, _, rest = helper.module.partition(".")
+    try:
+        spec = importlib.util.find_spec(top)  # the top package alone: found, not imported
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return "not installed"
+    for folder in spec.submodule_search_locations:
+        path = Path(folder, *rest.split(".")).with_suffix(".py")
+        if path.is_file():
+            break
+    else:
+        return "not installed"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return f"unreadable ({path})"
+    defined = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == helper.name]
+    if not defined:
+        return "not defined there: left to the library"
+    if _digest_of(defined[-1]) not in helper.shapes:  # the last definition is the one the module keeps
+        return "its code is not a shape memgather was written from: left to the library"
+    return "recognised: taken over where its library is a selected target"
 
 
 def _canonical(node: Any) -> str:
@@ -183,7 +228,7 @@ def enter(key: str, /, *args: Any, **kwargs: Any) -> Any:
     entry = _seen[key]
     if key not in _installed or scope.is_disabled() or compat.is_compiling():
         return entry.original(*args, **kwargs)
-    return entry.helper.replacement(entry.original, entry.function.__globals__, *args, **kwargs)
+    return entry.replacement(entry.original, entry.function.__globals__, *args, **kwargs)
 
 
 def _on_import(helper: Helper) -> Callable[[types.ModuleType], None]:
@@ -207,11 +252,13 @@ def _take_over(helper: Helper, module: types.ModuleType) -> None:
         _log.info("memgather leaves %s.%s as it is: %s", helper.module, helper.name, why)
         return
     assert isinstance(function, types.FunctionType)
+    where, _, name = helper.replacement.partition(":")
+    replacement = getattr(importlib.import_module(where), name)
     code = function.__code__
     original = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__)
     original.__kwdefaults__ = function.__kwdefaults__
     function.__code__ = _trampoline(code, helper.key)
-    _installed[helper.key] = _seen[helper.key] = _Installed(helper, function, code, original)
+    _installed[helper.key] = _seen[helper.key] = _Installed(helper, function, code, original, replacement)
     _log.info("memgather takes over %s.%s: uneven gathers without padding", helper.module, helper.name)
 
 

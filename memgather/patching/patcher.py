@@ -25,7 +25,7 @@ from memgather import compat, config
 from memgather.engine import core, elision, kept, report
 from memgather.engine.call import bind
 from memgather.engine.reasons import Reason
-from memgather.patching import callers, helpers, padded, scope, sites
+from memgather.patching import callers, helpers, library_helpers, scope, sites
 from memgather.patching import targets as registry
 from memgather.patching.wrapper import MemgatherWrapper
 
@@ -359,7 +359,7 @@ def _helper_selected(module: str, active: _Active) -> bool:
     return target is not None and registry.gate(target, active.force).allowed
 
 
-for _helper in padded.HELPERS:
+for _helper in library_helpers.HELPERS:
     helpers.register(_helper)
 
 

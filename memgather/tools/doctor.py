@@ -43,6 +43,7 @@ def report() -> "tuple[List[str], bool]":
         for name, plan in backend_plans(primitive.name, gloo_min_bytes, nccl_min_bytes).items()
     )
     lines.append(uneven_line(settings.gloo_route if settings is not None else "auto"))
+    lines.extend(helper_lines())
     lines.append("targets:")
     for target in targets.BUILTIN:
         verdict = targets.gate(target)
@@ -97,6 +98,15 @@ def uneven_line(gloo_route: str) -> str:
         f"written once into one tensor of the summed rows, as bytes: gloo one broadcast per rank ({ring}, "
         "MEMGATHER_GLOO_ROUTE), NCCL one broadcast per rank; no padding, no world x largest temporary"
     )
+
+
+def helper_lines() -> List[str]:
+    """The libraries' uneven-gather helpers memgather takes over, and whether the installed code is one."""
+    from memgather.patching import helpers, library_helpers
+
+    lines = ["uneven gathers of the libraries (their helpers taken over at patch(), recognised by their code):"]
+    lines.extend(f"  {name}: {state}" for name, state in helpers.survey(library_helpers.HELPERS))
+    return lines
 
 
 def nccl_plan(primitive: str, nccl_min_bytes: Optional[int] = None) -> str:
