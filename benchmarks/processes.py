@@ -14,7 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 
 class Finished(NamedTuple):
@@ -92,3 +92,33 @@ def _kill_session(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def spawned(rank_main: Callable[..., Any], world: int, *args: Any) -> List[Any]:
+    """``rank_main(rank, world, store, *args)`` on ``world`` ranks spawned by torch.multiprocessing,
+    ``store`` a file for their process group's ``init_method="file://..."``; what each returned (a
+    Python literal: numbers, strings, lists, dicts), in rank order."""
+    import ast
+
+    import torch.multiprocessing as mp
+
+    folder = tempfile.mkdtemp(prefix="memgather-spawned-")
+    try:
+        outs = [os.path.join(folder, f"rank{rank}") for rank in range(world)]
+        store = os.path.join(folder, "store")
+        mp.start_processes(_spawned_rank, args=(rank_main, world, store, outs, args), nprocs=world,
+                           start_method="spawn")
+        answers = []
+        for path in outs:
+            with open(path) as file:
+                answers.append(ast.literal_eval(file.read()))
+        return answers
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _spawned_rank(rank: int, rank_main: Callable[..., Any], world: int, store: str, outs: List[str],
+                  args: Sequence[Any]) -> None:
+    answer = rank_main(rank, world, store, *args)
+    with open(outs[rank], "w") as file:
+        file.write(repr(answer))

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -61,7 +59,7 @@ def uneven(local: Any) -> Any:
 WAYS = {"torch": padded, "memgather": uneven}
 
 
-def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int, out: str) -> None:
+def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -91,33 +89,20 @@ def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int, out:
             samples[name].append([grown / result_bytes, seconds])
     dist.barrier()
     dist.destroy_process_group()
-    with open(out, "w") as file:
-        file.write(repr({"samples": samples, "same": digests["torch"] == digests["memgather"]}))
+    return {"samples": samples, "same": digests["torch"] == digests["memgather"]}
 
 
 def measure(mib: Sequence[float], repeat: int) -> List[Dict[str, Any]]:
     """Each rank's median peak (x result) and seconds per way, and whether the results matched."""
-    import ast
+    from benchmarks import processes
 
-    import torch.multiprocessing as mp
-
-    folder = tempfile.mkdtemp(prefix="memgather-uneven-")
-    outs = [os.path.join(folder, f"rank{rank}") for rank in range(len(mib))]
-    store = os.path.join(folder, "store")
-    mp.start_processes(_spawned, args=(len(mib), store, list(mib), repeat, outs), nprocs=len(mib), start_method="spawn")
     rows = []
-    for rank, path in enumerate(outs):
-        with open(path) as file:
-            got = ast.literal_eval(file.read())
+    for rank, got in enumerate(processes.spawned(_rank, len(mib), list(mib), repeat)):
         row: Dict[str, Any] = {"rank": rank, "mib": mib[rank], "same": got["same"]}
         for name, samples in got["samples"].items():
             row[name] = (statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples))
         rows.append(row)
     return rows
-
-
-def _spawned(rank: int, world: int, store: str, mib: List[float], repeat: int, outs: List[str]) -> None:
-    _rank(rank, world, store, mib, repeat, outs[rank])
 
 
 def table(rows: List[Dict[str, Any]]) -> List[str]:

@@ -23,13 +23,10 @@ through torch.distributed itself.
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import importlib.util
-import os
 import statistics
 import sys
-import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -80,7 +77,7 @@ CALLS: Dict[str, Callable[[torch.Tensor], Callable[[], torch.Tensor]]] = {
 }
 
 
-def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int, out: str) -> None:
+def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int) -> Dict[str, Any]:
     import memgather
     from memgather.tools import rss
 
@@ -111,26 +108,15 @@ def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int, out:
         same[name] = digests["torch"] == digests["memgather"]
     dist.barrier()
     dist.destroy_process_group()
-    with open(out, "w") as file:
-        file.write(repr({"samples": samples, "same": same}))
-
-
-def _spawned(rank: int, world: int, store: str, mib: List[float], repeat: int, outs: List[str]) -> None:
-    _rank(rank, world, store, mib, repeat, outs[rank])
+    return {"samples": samples, "same": same}
 
 
 def measure(mib: Sequence[float], repeat: int) -> List[Dict[str, Any]]:
     """Per rank: per call, the median peak (x result) torch's way and memgather's, and whether they matched."""
-    import torch.multiprocessing as mp
+    from benchmarks import processes
 
-    folder = tempfile.mkdtemp(prefix="memgather-uneven-peaks-")
-    outs = [os.path.join(folder, f"rank{rank}") for rank in range(len(mib))]
-    store = os.path.join(folder, "store")
-    mp.start_processes(_spawned, args=(len(mib), store, list(mib), repeat, outs), nprocs=len(mib), start_method="spawn")
     rows = []
-    for rank, path in enumerate(outs):
-        with open(path) as file:
-            got = ast.literal_eval(file.read())
+    for rank, got in enumerate(processes.spawned(_rank, len(mib), list(mib), repeat)):
         for name, ways in got["samples"].items():
             rows.append({"rank": rank, "mib": mib[rank], "call": name, "same": got["same"][name],
                          **{way: statistics.median(values) for way, values in ways.items()}})
