@@ -71,3 +71,42 @@ def test_the_users_peak_of_an_uneven_gather() -> None:
         print(row)
         assert row["same"], row
         assert row["memgather"] <= floors[row["call"]] + 0.1 and row["torch"] >= floors[row["call"]] + 1, row
+
+
+def _shapes_rank(rank: int, world: int, store: str) -> list:
+    """Ignite's all_gather_tensors_with_shapes, unpatched and taken over, every threshold off: shapes
+    lists that differ between ranks where Ignite still works, and shapes that differ past dim 0."""
+    import os
+
+    os.environ["MEMGATHER_GLOO_MIN_BYTES"] = "0"
+    import torch
+    import torch.distributed as dist
+
+    import ignite.distributed as idist
+    import memgather
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cases = [
+        (torch.arange(6.0).reshape(2, 3) + 10 * rank if rank == 0 else torch.arange(3.0).reshape(1, 3),
+         [[2, 3], [1, 3]] if rank == 0 else [[2, 3], [2, 3]]),  # rank 1 asks for a row of padding
+        (torch.ones(2 + rank, 3 - rank), [[2, 3], [3, 2]]),
+        (torch.arange(4.0 * (1 + rank)).reshape(-1, 4), [[1, 4], [2, 4]]),
+    ]
+    same = []
+    for tensor, shapes in cases:
+        theirs = [t.tolist() for t in idist.all_gather_tensors_with_shapes(tensor, shapes)]
+        memgather.patch(["ignite"])
+        try:
+            ours = [t.tolist() for t in idist.all_gather_tensors_with_shapes(tensor, shapes)]
+        finally:
+            memgather.unpatch()
+        same.append(ours == theirs)
+    dist.destroy_process_group()
+    return same
+
+
+def test_shapes_that_ranks_read_differently_take_one_way() -> None:
+    from benchmarks import processes
+
+    for same in processes.spawned(_shapes_rank, 2):
+        assert same == [True, True, True], same

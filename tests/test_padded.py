@@ -272,3 +272,95 @@ def test_doctor_reads_each_helpers_code_from_its_file_without_importing_it() -> 
                              "memgather.patching.padded:gather_all_tensors")
     missing = dataclasses.replace(changed, key="missing", name="no_such_function")
     assert "not a shape" in helpers._state_on_disk(changed) and "not defined" in helpers._state_on_disk(missing)
+
+
+def mixed_ranks(ctx: Any) -> List[Any]:
+    """Inputs whose ranks differ where a library lets them: MONAI with a 0-d input on one rank and one
+    row on the other, torchmetrics with rows on one rank and none on the other (every threshold off)."""
+    _register()
+    out = []
+    monai = [lambda t: monai_dist.evenly_divisible_all_gather(t, concat=True),
+             lambda t: monai_dist.evenly_divisible_all_gather(t, concat=False)]
+    for given, calls in (
+        (torch.tensor(5.0) if ctx.rank == 0 else torch.tensor([7.0]), monai),  # torchmetrics' own breaks there
+        (torch.arange(6.0).reshape(3, 2) if ctx.rank == 0 else torch.zeros(0, 2),
+         [*monai, torchmetrics_distributed.gather_all_tensors]),
+    ):
+        theirs = [_seen(_call(call, given), given) for call in calls]
+        memgather.patch(["tests.library_code"])
+        try:
+            ours = [_seen(_call(call, given), given) for call in calls]
+        finally:
+            memgather.unpatch()
+        out.append(ours == theirs)
+    return out
+
+
+def test_ranks_that_differ_where_the_library_allows_take_one_way(pools: Any) -> None:
+    """A rank's own verdict (MONAI's 0-d input) travels in the exchange: no rank is left in another collective."""
+    for got in unwrap(pools(2, **EAGER).run(mixed_ranks)):
+        assert got == [True, True], got
+
+
+def kept_lists(ctx: Any) -> List[Any]:
+    """torchmetrics' list kept, never concatenated (a list state with dist_reduce_fx=None): after two such
+    calls its lists are no longer armed, and hold the other ranks' rows alone, as the library's slices do."""
+    _register()
+    padded._CATS.clear()  # what earlier programs in this process did with their lists is not this one's
+    memgather.patch(["tests.library_code"])
+    try:
+        seen = []
+        kept = []
+        for _ in range(4):
+            given = torch.ones(1000 + 500 * ctx.rank, 8)
+            gathered = torchmetrics_distributed.gather_all_tensors(given)
+            other = gathered[1 - ctx.rank]
+            seen.append((type(other).__name__, other.untyped_storage().nbytes()))
+            kept.append(gathered)
+    finally:
+        memgather.unpatch()
+    return seen
+
+
+def test_a_kept_list_holds_no_second_copy_of_the_ranks_own_rows(pools: Any) -> None:
+    for rank, seen in enumerate(unwrap(pools(2, **EAGER).run(kept_lists))):
+        other_rows = 1000 + 500 * (1 - rank)
+        assert seen[0] == ("ElidableSlot", (1000 + 1500) * 8 * 4), seen  # armed: the whole tensor, for a cat
+        assert seen[-1] == ("Tensor", other_rows * 8 * 4), seen  # the other rank's rows alone
+
+
+def observed(ctx: Any) -> Dict[str, Any]:
+    """What the user's own wrapper of torch.distributed.all_gather sees of a taken-over helper's calls,
+    and whether a call under the threshold made any exchange of memgather's."""
+    from memgather.engine import core
+
+    _register()
+    made = []
+    original = core._original_all_gather
+    counted = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counted.append(1)
+        return original(*args, **kwargs)
+
+    memgather.patch(["tests.library_code"])
+    patched = torch.distributed.all_gather
+    try:
+        def wrapper(tensor_list: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            made.append(tuple(tensor.shape))
+            return patched(tensor_list, tensor, *args, **kwargs)
+
+        torch.distributed.all_gather = wrapper
+        core._original_all_gather = counting
+        torchmetrics_distributed.gather_all_tensors(torch.ones(3 + ctx.rank, 2))  # small: no exchange of memgather's
+    finally:
+        torch.distributed.all_gather = patched
+        core._original_all_gather = original
+        memgather.unpatch()
+    return {"wrapper saw": made, "memgather's exchanges": len(counted)}
+
+
+def test_the_libraries_own_calls_reach_the_users_wrapper_and_small_calls_exchange_nothing_more(pools: Any) -> None:
+    for got in unwrap(pools(2).run(observed)):
+        # The size exchange (a 2-vector), then the padded gather of (4, 2) slots: both the library's.
+        assert got == {"wrapper saw": [(2,), (4, 2)], "memgather's exchanges": 0}, got

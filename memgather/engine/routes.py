@@ -359,10 +359,12 @@ def _prepare(destinations: List[torch.Tensor], tensor: torch.Tensor, rank: int) 
     """The own part in place, and aliases of the destinations that only memgather holds, so that
     waiting for gloo to let go of them never waits on a hold of the caller's. Complex ones are
     sent as real views, as torch's all_gather sends them: gloo on torch 2.0.1 refuses complex dtypes."""
-    for destination in destinations:
-        pages.advise(destination)
     own = destinations[rank]
-    if own.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+    in_place = own.data_ptr() == tensor.data_ptr() and tensor.is_contiguous()
+    for index, destination in enumerate(destinations):
+        if index != rank or not in_place:  # the caller's own input, where it is the part, is only read
+            pages.advise(destination)
+    if not in_place:
         own.copy_(tensor)
     return [torch.view_as_real(d) if d.is_complex() else d.detach() for d in destinations]
 

@@ -45,6 +45,8 @@ class Layout(NamedTuple):
     host: int
     kind: str  # one of _KINDS
     gloo_route: str  # the rank's MEMGATHER_GLOO_ROUTE
+    context: int = 0  # what the caller read that ranks must agree on (a hash; 0: nothing)
+    ok: bool = True  # the caller's own verdict on this rank's input
 
 
 def gather(tensor: torch.Tensor, group: Any, gather_rows: Callable[..., Any], gloo_route: str) -> torch.Tensor:
@@ -85,14 +87,20 @@ def fill(
     group: Any,
     info: groups.GroupInfo,
     strategy: Strategy = Strategy.INTO_RESULT,
+    own_rows: bool = True,
 ) -> torch.Tensor:
     """One new tensor of the table's summed rows, each rank's ``source`` rows written once at its offset.
 
     The table must be ``alike`` and of dense strided inputs: every rank then posts the same transfers.
+    ``own_rows=False``: the tensor leaves this rank's rows out (its part has none), for a caller that
+    hands out its input in their place; they are sent from ``source``, which must be contiguous.
     """
     rows = [t.rows for t in table]
-    out = torch.empty((sum(rows), *source.shape[1:]), dtype=source.dtype, device=source.device)
-    parts = list(out.split(rows))
+    kept = list(rows)
+    if not own_rows:
+        kept[info.rank] = 0
+    out = torch.empty((sum(kept), *source.shape[1:]), dtype=source.dtype, device=source.device)
+    parts = list(out.split(kept))
     # Ranks set differently take the broadcasts, which every setting allows: alike on every rank.
     first = table[0]
     setting = first.gloo_route if all(t.gloo_route == first.gloo_route for t in table) else "broadcast"
@@ -100,8 +108,11 @@ def fill(
         routes.backend_on(info.backend, source.device.type), source.device, setting, len({t.host for t in table}) > 1
     )
     with torch.no_grad():  # as torch.cat's result of torch's own gather: no history
-        parts[info.rank].copy_(source)
+        if own_rows:
+            parts[info.rank].copy_(source)
         sent = [_as_bytes(part) for part in parts]
+        if not own_rows:
+            sent[info.rank] = _as_bytes(source)  # a view of the input's own bytes: sent, never written
         routes.fill(route, sent, sent[info.rank], group)
     counters.record(strategy.value, route=route.name)
     return out
@@ -114,11 +125,14 @@ def layouts(
     world: int,
     gloo_route: str = "auto",
     plain_contiguous: bool = False,
+    context: int = 0,
+    ok: bool = True,
 ) -> List[Layout]:
     """Every rank's ``Layout``, in group rank order, through one exchange of int64 rows.
 
     ``plain_contiguous``: a tensor subclass, or a strided tensor that is not contiguous, is a kind of
-    its own (for a caller whose result must keep the input's class and strides).
+    its own (for a caller whose result must keep the input's class and strides). ``context`` and
+    ``ok`` travel as given: what a caller needs every rank to know before it decides.
     """
     kind = _kind(tensor)
     if plain_contiguous and kind == "strided":
@@ -133,6 +147,7 @@ def layouts(
     # as many of them as fit: enough to name them in an error, and to compare them exactly.
     row = [shape[0], hosts.key(), agreement.dtype_code(tensor.dtype), device, len(trailing)]
     row += [hash(trailing) & 0x7FFFFFFFFFFFFFFF, _KINDS.index(kind), config.GLOO_ROUTES.index(gloo_route)]
+    row += [context & 0x7FFFFFFFFFFFFFFF, int(ok)]
     row += list(trailing[:_SHOWN])
     row += [0] * (_ROW - len(row))
     encoded = torch.tensor(row, dtype=torch.int64, device="cpu" if kind == "meta" else tensor.device)
@@ -140,7 +155,7 @@ def layouts(
 
 
 _SHOWN = 8  # trailing dims written out in each row
-_HEADER = 8
+_HEADER = 10
 _ROW = _HEADER + _SHOWN
 
 
@@ -160,7 +175,7 @@ def _decode(row: Sequence[int]) -> Layout:
     device = _DEVICE_TYPES[row[3]] if 0 <= row[3] < len(_DEVICE_TYPES) else "other"
     kind = _KINDS[row[6]] if 0 <= row[6] < len(_KINDS) else "unknown"
     setting = config.GLOO_ROUTES[row[7]] if 0 <= row[7] < len(config.GLOO_ROUTES) else "broadcast"
-    return Layout(row[0], trailing, agreement.dtype_of(row[2]), device, row[1], kind, setting)
+    return Layout(row[0], trailing, agreement.dtype_of(row[2]), device, row[1], kind, setting, row[8], bool(row[9]))
 
 
 def _route(backend: str, device: torch.device, gloo_route: str, spans_hosts: bool) -> routes.Route:

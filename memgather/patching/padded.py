@@ -19,68 +19,119 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from memgather import cow
-from memgather.engine import core, counters, elision, group_facts, groups, uneven, verification
+from memgather.engine import core, counters, elision, group_facts, groups, routes, uneven, verification
 from memgather.engine.reasons import Strategy
-from memgather.patching import helpers
-
-# The widest element (complex128): a gather this small at that width is small at every dtype.
-_WIDEST = 16
+from memgather.patching import helpers, scope
 
 
-def _unpadded(tensor: torch.Tensor, group: Any, shapes: Sequence[Sequence[int]]) -> Optional[torch.Tensor]:
-    """Every rank's ``tensor`` (its shape in ``shapes``, rank order) as one tensor of the summed rows,
-    or None where the helper's padded way must run: on every rank alike, since each decides from
-    what all of them read (``shapes``, then the exchanged layouts)."""
-    first = tuple(shapes[0])
-    if not first or any(tuple(s)[1:] != first[1:] or len(s) != len(first) for s in shapes):
-        return None  # ranks differ past dim 0: slices of padded slots have the padded strides
+class _Taken(NamedTuple):
+    """The rows gathered unpadded: ``out``, and each rank's rows in it (this rank's may be left out)."""
+
+    out: torch.Tensor
+    rows: List[int]
+
+
+def _unpadded(
+    tensor: torch.Tensor,
+    group: Any,
+    padded_numel: int,
+    expected: Sequence[Sequence[int]],
+    ok: bool = True,
+    own_rows: bool = True,
+) -> Optional[_Taken]:
+    """Every rank's ``tensor`` as one tensor of the summed rows, or None where the helper's padded way
+    must run, decided alike on every rank.
+
+    ``padded_numel``: the elements of the helper's own padded gather, the same on every rank wherever
+    that gather works; ``expected``: every rank's shape as this rank's helper reads it; ``ok``: this
+    rank's own verdict on its input. Before the exchange a rank decides from ``padded_numel`` alone
+    (and facts every rank of a working program shares: the backend, the device type, the dtype's
+    width); after it, from the table every rank holds: every rank's verdict, a hash of what each read
+    (``expected``), and each rank's rows, trailing dims, dtype and kind of tensor.
+    """
     info = groups.describe(group)
+    if routes.backend_on(info.backend, tensor.device.type) not in _ROUTED.get(tensor.device.type, ()):
+        return None  # no route of memgather's for this pair (a CPU tensor on an NCCL group): the helper's way
     facts = group_facts.lookup(group, tensor, info)
     limit = facts.limit if facts is not None else 0
-    padded = len(shapes) * max(s[0] for s in shapes) * math.prod(first[1:])
-    if padded * _WIDEST < limit:
-        return None  # small at any dtype: torch's one gather is quicker than a transfer per rank
-    table = uneven.layouts(core.original_all_gather(), group, tensor, info.world, core.settings().gloo_route, True)
-    if (
-        not uneven.alike(table)
-        or table[0].kind != "strided"
-        or [t.rows for t in table] != [s[0] for s in shapes]
-        or table[0].trailing != first[1:]
+    if padded_numel * tensor.element_size() < limit:
+        return None  # small: torch's one gather is quicker than a transfer per rank
+    shapes = [tuple(int(d) for d in shape) for shape in expected]
+    table = uneven.layouts(
+        core.original_all_gather(), group, tensor, info.world, core.settings().gloo_route, True, hash(tuple(shapes)), ok
+    )
+    first = table[0]
+    if not (
+        all(t.ok and t.context == first.context for t in table)
+        and uneven.alike(table)
+        and first.kind == "strided"
+        and [t.rows for t in table] == [shape[0] if shape else -1 for shape in shapes]
+        and all(shape[1:] == first.trailing for shape in shapes)
     ):
-        return None  # the tensors are not what the sizes the helper read say: its own way, which says so
-    if padded * tensor.element_size() < limit:
-        return None
-    out = uneven.fill(tensor, table, group, info, Strategy.UNPADDED)
+        return None  # the tensors are not what the helpers read: the helper's way, which says so where it breaks
+    out = uneven.fill(tensor, table, group, info, Strategy.UNPADDED, own_rows)
+    rows = [t.rows if own_rows or rank != info.rank else 0 for rank, t in enumerate(table)]
     if core.settings().verify:
-        _verify(out, tensor, group, [t.rows for t in table])
-    return out
+        _verify(out, tensor, group, [t.rows for t in table], own_rows)
+    return _Taken(out, rows)
 
 
-def _verify(out: torch.Tensor, tensor: torch.Tensor, group: Any, rows: List[int]) -> None:
+# The backends memgather moves uneven rows on, per device type.
+_ROUTED = {"cpu": ("gloo",), "cuda": ("nccl",)}
+
+
+def _exchange(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+    """A helper's own small exchange (sizes, lengths), as its code makes it: through whatever
+    ``torch.distributed.all_gather`` is now (a wrapper of the user's sees it), left to torch."""
+    with scope.disabled():
+        dist.all_gather(tensor_list, tensor, group=group)
+
+
+# What became of each helper's armed lists: concatenated, or put to another use (elision.Cats).
+_CATS: Dict[str, elision.Cats] = {}
+
+
+def _worth_arming(helper: str, tensor: torch.Tensor) -> Optional[elision.Cats]:
+    """The record to arm with, where a cat of the helper's list may return the gathered tensor: on the
+    CPU (a copy-on-write result), unless elision is off, and while its callers concatenate about as
+    often as not (else None)."""
+    if helpers.elide_setting() is False or not cow.serves(tensor):
+        return None
+    cats = _CATS.setdefault(helper, elision.Cats())
+    return cats if cats.worth_arming() else None
+
+
+def _arm(cats: elision.Cats, parts: List[torch.Tensor], out: torch.Tensor, tensor: Optional[torch.Tensor]) -> None:
+    """Let a cat of the parts (one of them replaced by the input) return ``out`` as a copy-on-write snapshot."""
+    elision.expect(cats)
+    try:
+        elision.arm(parts, out, tensor)
+    finally:
+        elision.expect(None)
+
+
+def _verify(out: torch.Tensor, tensor: torch.Tensor, group: Any, rows: List[int], own_rows: bool) -> None:
     """Verify mode: the rows against torch's own padded gather of the same input, sliced, on every
     rank; a difference anywhere raises ``VerifyError`` on every rank (``verification.compare``)."""
     original = core.original_all_gather()
+    rank = groups.describe(group).rank
     with torch.no_grad():
         padded = tensor.new_zeros((max(rows), *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor
         scratch = [torch.zeros_like(padded) for _ in rows]
         original(scratch, padded, group=group)
     want = [slot[:n] for slot, n in zip(scratch, rows)]
-    verification.compare(original, list(out.split(rows)), want, tensor, group, Strategy.UNPADDED.value)
+    got = list(out.split([n if own_rows or index != rank else 0 for index, n in enumerate(rows)]))
+    if not own_rows:
+        got[rank] = tensor  # the input stands for its rows
+    verification.compare(original, got, want, tensor, group, Strategy.UNPADDED.value)
     counters.record_verified()
-
-
-def _arm(parts: List[torch.Tensor], out: torch.Tensor, tensor: Optional[torch.Tensor], elide: Optional[bool]) -> None:
-    """Let a cat of the parts (one of them replaced by the input) return ``out`` as a copy-on-write
-    snapshot: on the CPU, unless elision is switched off."""
-    if elide is not False and cow.serves(out):
-        elision.arm(parts, out, tensor)
 
 
 def gather_all_tensors(original: Callable[..., Any], namespace: Dict[str, Any], result: Any, group: Any = None) -> Any:
@@ -107,15 +158,24 @@ def _gather_all_tensors(namespace: Dict[str, Any], result: Any, group: Any, own_
         return namespace["_simple_gather_all_tensors"](result, group, world_size)
     local_size = torch.tensor(result.shape, device=result.device)
     local_sizes = [torch.zeros_like(local_size) for _ in range(world_size)]
-    core.original_all_gather()(local_sizes, local_size, group=group)
+    _exchange(local_sizes, local_size, group=group)
     max_size = torch.stack(local_sizes).max(dim=0).values
     all_sizes_equal = all(all(ls == max_size) for ls in local_sizes)
     if all_sizes_equal:
         return namespace["_simple_gather_all_tensors"](result, group, world_size)
-    out = _unpadded(result, group, [ls.tolist() for ls in local_sizes])
-    if out is not None:
-        gathered_result = list(out.split([int(ls[0]) for ls in local_sizes]))
-        _arm(gathered_result, out, result if own_entry_is_input else None, helpers.elide_setting())
+    shapes = [ls.tolist() for ls in local_sizes]
+    taken, cats = None, None
+    if all(shape[1:] == shapes[0][1:] for shape in shapes):  # dim 0 alone differs (read alike by every rank)
+        helper = "torchmetrics" if own_entry_is_input else "lightning"
+        cats = _worth_arming(helper, result)
+        # torchmetrics puts the input in its own rank's place: the tensor keeps those rows only for a
+        # cat to return it whole; where no cat is expected, it holds the other ranks' rows alone.
+        own_rows = cats is not None or not own_entry_is_input
+        taken = _unpadded(result, group, world_size * math.prod(max_size.tolist()), shapes, own_rows=own_rows)
+    if taken is not None:
+        gathered_result = list(taken.out.split(taken.rows))
+        if cats is not None:
+            _arm(cats, gathered_result, taken.out, result if own_entry_is_input else None)
     else:
         # torchmetrics pads under no_grad; Lightning's copy does not (its slots never require grad either way).
         with torch.no_grad() if own_entry_is_input else contextlib.nullcontext():
@@ -126,7 +186,7 @@ def _gather_all_tensors(namespace: Dict[str, Any], result: Any, group: Any, own_
                 pad_dims.append(val.item())
             result_padded = namespace["F"].pad(result, pad_dims)
             gathered_result = [torch.zeros_like(result_padded) for _ in range(world_size)]
-            core.all_gather(gathered_result, result_padded, group)
+            torch.distributed.all_gather(gathered_result, result_padded, group)
             for idx, item_size in enumerate(local_sizes):
                 slice_param = [slice(dim_size) for dim_size in item_size]
                 gathered_result[idx] = gathered_result[idx][tuple(slice_param)]
@@ -148,15 +208,21 @@ def all_gather_tensors_with_shapes(
         group = model.new_group(group)
     if namespace["_rank_not_in_group"](group):
         return [tensor]
-    out = None
-    if getattr(model, "name", None) == "native-dist" and isinstance(tensor, torch.Tensor):
-        listed = [tuple(int(d) for d in shape) for shape in shapes]
-        out = _unpadded(tensor, group, listed)
-    if out is not None:
-        parts = list(out.split([shape[0] for shape in listed]))
-        _arm(parts, out, None, helpers.elide_setting())
-        return parts
     max_shape = torch.tensor(shapes).amax(dim=0)
+    taken, cats = None, None
+    # Whole sizes (Ignite's own pad refuses others), on torch.distributed underneath.
+    if getattr(model, "name", None) == "native-dist" and isinstance(tensor, torch.Tensor) and not (
+        max_shape.is_floating_point() or max_shape.is_complex()
+    ):
+        # Ignite pads to the largest of the shapes it is given: the same on every rank where its gather works.
+        padded_numel = len(shapes) * math.prod(max_shape.tolist())
+        cats = _worth_arming("ignite", tensor)
+        taken = _unpadded(tensor, group, padded_numel, [tuple(shape) for shape in shapes])
+    if taken is not None:
+        parts = list(taken.out.split(taken.rows))
+        if cats is not None:
+            _arm(cats, parts, taken.out, None)
+        return parts
     padding_sizes = (max_shape - torch.tensor(tensor.shape)).tolist()
     padded_tensor = torch.nn.functional.pad(
         tensor, tuple(itertools.chain.from_iterable(map(lambda dim_size: (0, dim_size), reversed(padding_sizes))))
@@ -186,11 +252,11 @@ def evenly_divisible_all_gather(
         idist = namespace["idist"]
         if idist.get_world_size() <= 1:
             return data
-        output = _ignite_all_gather(original, namespace, data, ndims, length, concat)
+        output = _ignite_all_gather(namespace, data, ndims, length, concat)
     elif namespace["dist"].is_available() and namespace["dist"].is_initialized():
         if namespace["dist"].get_world_size() <= 1:
             return data
-        output = _torch_all_gather(original, namespace, data, ndims, length, concat)
+        output = _torch_all_gather(namespace, data, ndims, length, concat)
     else:
         return data
     if isinstance(output, torch.Tensor):  # the rows gathered unpadded: already their concatenation
@@ -198,42 +264,46 @@ def evenly_divisible_all_gather(
     return torch.cat(output, dim=0) if concat else output
 
 
-def _torch_all_gather(
-    original: Callable[..., Any], namespace: Dict[str, Any], data: torch.Tensor, ndims: int, length: int, concat: bool
-) -> Any:
+def _unpadded_rows(data: torch.Tensor, lengths: List[int], ndims: int) -> Optional[_Taken]:
+    """MONAI's data (dim 0 made of a 0-d input) of every rank, unpadded, or None: MONAI pads every rank
+    to the longest, whose trailing dims must be the same on every rank for its own gather to work."""
+    trailing = tuple(data.shape[1:])
+    padded_numel = len(lengths) * max(lengths) * math.prod(trailing)
+    return _unpadded(data, None, padded_numel, [(n, *trailing) for n in lengths], ok=ndims > 0)
+
+
+def _torch_all_gather(namespace: Dict[str, Any], data: torch.Tensor, ndims: int, length: int, concat: bool) -> Any:
     device = namespace["get_dist_device"]()
     orig_device = data.device
     data = data.to(device)
     data = data.unsqueeze(0) if ndims == 0 else data
     length_tensor = torch.as_tensor([length], device=device)
     all_lens = [torch.zeros_like(length_tensor) for _ in range(dist.get_world_size())]
-    core.original_all_gather()(all_lens, length_tensor)
+    _exchange(all_lens, length_tensor)
     all_lens_: List[int] = [int(i.item()) for i in all_lens]
-    gathered = None if ndims == 0 else _unpadded(data, None, [(n, *data.shape[1:]) for n in all_lens_])
-    if gathered is not None:
+    taken = _unpadded_rows(data, all_lens_, ndims)
+    if taken is not None:
         if concat and orig_device == device:
-            return gathered  # torch.cat of the slices, already made
-        return [part.to(orig_device) for part in gathered.split(all_lens_)]
+            return taken.out  # torch.cat of the slices, already made
+        return [part.to(orig_device) for part in taken.out.split(taken.rows)]
     max_len: int = max(all_lens_)
     if length < max_len:
         size = [max_len - length] + list(data.shape[1:])
         data = torch.cat([data, data.new_full(size, 0)], dim=0)
     output = [torch.zeros_like(data) for _ in range(dist.get_world_size())]
-    core.all_gather(output, data)
+    dist.all_gather(output, data)
     return [(o.squeeze(0) if ndims == 0 else o[:n, ...]).to(orig_device) for o, n in zip(output, all_lens_)]
 
 
-def _ignite_all_gather(
-    original: Callable[..., Any], namespace: Dict[str, Any], data: torch.Tensor, ndims: int, length: int, concat: bool
-) -> Any:
+def _ignite_all_gather(namespace: Dict[str, Any], data: torch.Tensor, ndims: int, length: int, concat: bool) -> Any:
     idist = namespace["idist"]
     data = data.unsqueeze(0) if ndims == 0 else data
     all_lens: List[int] = idist.all_gather(length)
-    gathered = None
-    if ndims > 0 and idist.model_name() == "native-dist":  # torch.distributed's default group underneath
-        gathered = _unpadded(data, None, [(n, *data.shape[1:]) for n in all_lens])
-    if gathered is not None:
-        return gathered if concat else list(gathered.split(all_lens))
+    taken = None
+    if getattr(idist, "model_name", lambda: "")() == "native-dist":  # torch.distributed's default group underneath
+        taken = _unpadded_rows(data, all_lens, ndims)
+    if taken is not None:
+        return taken.out if concat else list(taken.out.split(taken.rows))
     max_len: int = max(all_lens)
     if length < max_len:
         size = [max_len - length] + list(data.shape[1:])
@@ -242,5 +312,3 @@ def _ignite_all_gather(
     if ndims == 0:
         return list(torch.unbind(output, dim=0))
     return [output[i * max_len : i * max_len + n, ...] for i, n in enumerate(all_lens)]
-
-
