@@ -106,8 +106,9 @@ def spawned(rank_main: Callable[..., Any], world: int, *args: Any) -> List[Any]:
     try:
         outs = [os.path.join(folder, f"rank{rank}") for rank in range(world)]
         store = os.path.join(folder, "store")
-        mp.start_processes(_spawned_rank, args=(rank_main, world, store, outs, args), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(
+            _spawned_rank, args=(rank_main, world, store, outs, args), nprocs=world, start_method="spawn"
+        )
         answers = []
         for path in outs:
             with open(path) as file:
@@ -117,8 +118,9 @@ def spawned(rank_main: Callable[..., Any], world: int, *args: Any) -> List[Any]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _spawned_rank(rank: int, rank_main: Callable[..., Any], world: int, store: str, outs: List[str],
-                  args: Sequence[Any]) -> None:
+def _spawned_rank(
+    rank: int, rank_main: Callable[..., Any], world: int, store: str, outs: List[str], args: Sequence[Any]
+) -> None:
     answer = rank_main(rank, world, store, *args)
     with open(outs[rank], "w") as file:
         file.write(repr(answer))

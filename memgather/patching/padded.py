@@ -211,8 +211,10 @@ def all_gather_tensors_with_shapes(
     max_shape = torch.tensor(shapes).amax(dim=0)
     taken, cats = None, None
     # Whole sizes (Ignite's own pad refuses others), on torch.distributed underneath.
-    if getattr(model, "name", None) == "native-dist" and isinstance(tensor, torch.Tensor) and not (
-        max_shape.is_floating_point() or max_shape.is_complex()
+    if (
+        getattr(model, "name", None) == "native-dist"
+        and isinstance(tensor, torch.Tensor)
+        and not (max_shape.is_floating_point() or max_shape.is_complex())
     ):
         # Ignite pads to the largest of the shapes it is given: the same on every rank where its gather works.
         padded_numel = len(shapes) * math.prod(max_shape.tolist())
