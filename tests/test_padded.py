@@ -30,7 +30,9 @@ COPIES = {
     "monai.evenly_divisible_all_gather": monai_dist.__name__,
     "lightning_fabric._gather_all_tensors": lightning_distributed.__name__,
 }  # Ignite's helper reads Ignite's own computation model: its environment runs it (integration/)
-DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool", "complex64"]
+# int16 and uint16: gloo refuses them, and so the libraries' own gathers raise, as memgather must let them.
+DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool", "complex64", "int16",
+          "uint16"]
 
 
 def _register() -> None:
@@ -52,6 +54,9 @@ def _cases(world: int, seed: int) -> List[Dict[str, Any]]:
             shapes[-1] = (rows[-1], *(d + 1 for d in trailing))
         cases.append({"dtype": dtype, "shapes": shapes, "seed": index, "grad": index % 6 == 1 and dtype == "float32"})
     cases.append({"dtype": "float32", "shapes": [()] * world, "seed": 90, "grad": False})  # 0-d
+    # Contiguous, with a stride of its own on a dim of size 1 (torch's zeros_like keeps it), on the longest rank.
+    cases.append({"dtype": "float32", "shapes": [(5 - r, 1, 4) for r in range(world)], "seed": 95, "grad": False,
+                  "size1_strides": 0})
     for permuted in (0, world - 1):  # a transposed input: its own slots keep its strides under torch
         cases.append({"dtype": "float32", "shapes": [(9 - r, 4) for r in range(world)], "seed": 93 + permuted,
                       "grad": False, "permuted": permuted})
@@ -64,6 +69,8 @@ def _cases(world: int, seed: int) -> List[Dict[str, Any]]:
 def _input(case: Dict[str, Any], rank: int) -> torch.Tensor:
     layout = "permuted" if case.get("permuted") == rank else "contiguous"
     t = make_input(getattr(torch, case["dtype"]), tuple(case["shapes"][rank]), case["seed"] * 10 + rank, layout)
+    if case.get("size1_strides") == rank:
+        t = t.as_strided(t.shape, (4, 77, 1))
     return t.requires_grad_() if case["grad"] else t
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, List, NamedTuple, Sequence, Tuple
 import torch
 
 from memgather import config
-from memgather.engine import agreement, counters, groups, hosts, routes
+from memgather.engine import agreement, counters, groups, hosts, routes, slots
 from memgather.engine.reasons import Strategy
 from memgather.errors import UnevenLayoutError
 
@@ -130,16 +130,16 @@ def layouts(
 ) -> List[Layout]:
     """Every rank's ``Layout``, in group rank order, through one exchange of int64 rows.
 
-    ``plain_contiguous``: a tensor subclass, or a strided tensor that is not contiguous, is a kind of
-    its own (for a caller whose result must keep the input's class and strides). ``context`` and
+    ``plain_contiguous``: a tensor subclass, or a strided tensor without its shape's own strides, is a
+    kind of its own (for a caller whose result must keep the input's class and strides). ``context`` and
     ``ok`` travel as given: what a caller needs every rank to know before it decides.
     """
     kind = _kind(tensor)
     if plain_contiguous and kind == "strided":
         if type(tensor) is not torch.Tensor:
             kind = "a tensor subclass"
-        elif not tensor.is_contiguous():
-            kind = "not contiguous"
+        elif tensor.stride() != slots.contiguous_strides(tuple(tensor.shape)):
+            kind = "not contiguous"  # or contiguous with strides of its own on dims of size 1, which torch keeps
     shape = tuple(tensor.shape) if tensor.dim() else (1,)
     trailing = shape[1:]
     device = _DEVICE_TYPES.index(tensor.device.type) if tensor.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)

@@ -48,19 +48,20 @@ def _unpadded(
     """Every rank's ``tensor`` as one tensor of the summed rows, or None where the helper's padded way
     must run, decided alike on every rank.
 
-    ``padded_numel``: the elements of the helper's own padded gather, the same on every rank wherever
-    that gather works; ``expected``: every rank's shape as this rank's helper reads it; ``ok``: this
-    rank's own verdict on its input. Before the exchange a rank decides from ``padded_numel`` alone
-    (and facts every rank of a working program shares: the backend, the device type, the dtype's
-    width); after it, from the table every rank holds: every rank's verdict, a hash of what each read
-    (``expected``), and each rank's rows, trailing dims, dtype and kind of tensor.
+    ``padded_numel``: the elements of one rank's padded tensor in the helper's own gather, the same on
+    every rank wherever that gather works; ``expected``: every rank's shape as this rank's helper
+    reads it; ``ok``: this rank's own verdict on its input. Before the exchange a rank decides from
+    ``padded_numel`` alone (and facts every rank of a working program shares: the group, the backend,
+    the device type, the dtype's width); after it, from the table every rank holds: every rank's
+    verdict, a hash of what each read (``expected``), and each rank's rows, trailing dims, dtype and
+    kind of tensor.
     """
     info = groups.describe(group)
     if routes.backend_on(info.backend, tensor.device.type) not in _ROUTED.get(tensor.device.type, ()):
         return None  # no route of memgather's for this pair (a CPU tensor on an NCCL group): the helper's way
     facts = group_facts.lookup(group, tensor, info)
     limit = facts.limit if facts is not None else 0
-    if padded_numel * tensor.element_size() < limit:
+    if info.world * padded_numel * tensor.element_size() < limit:
         return None  # small: torch's one gather is quicker than a transfer per rank
     shapes = [tuple(int(d) for d in shape) for shape in expected]
     table = uneven.layouts(
@@ -73,6 +74,7 @@ def _unpadded(
         and first.kind == "strided"
         and [t.rows for t in table] == [shape[0] if shape else -1 for shape in shapes]
         and all(shape[1:] == first.trailing for shape in shapes)
+        and (facts is None or facts.dtypes is None or first.dtype in facts.dtypes)  # what the backend refuses
     ):
         return None  # the tensors are not what the helpers read: the helper's way, which says so where it breaks
     out = uneven.fill(tensor, table, group, info, Strategy.UNPADDED, own_rows)
@@ -171,7 +173,7 @@ def _gather_all_tensors(namespace: Dict[str, Any], result: Any, group: Any, own_
         # torchmetrics puts the input in its own rank's place: the tensor keeps those rows only for a
         # cat to return it whole; where no cat is expected, it holds the other ranks' rows alone.
         own_rows = cats is not None or not own_entry_is_input
-        taken = _unpadded(result, group, world_size * math.prod(max_size.tolist()), shapes, own_rows=own_rows)
+        taken = _unpadded(result, group, math.prod(max_size.tolist()), shapes, own_rows=own_rows)
     if taken is not None:
         gathered_result = list(taken.out.split(taken.rows))
         if cats is not None:
@@ -217,9 +219,8 @@ def all_gather_tensors_with_shapes(
         and not (max_shape.is_floating_point() or max_shape.is_complex())
     ):
         # Ignite pads to the largest of the shapes it is given: the same on every rank where its gather works.
-        padded_numel = len(shapes) * math.prod(max_shape.tolist())
         cats = _worth_arming("ignite", tensor)
-        taken = _unpadded(tensor, group, padded_numel, [tuple(shape) for shape in shapes])
+        taken = _unpadded(tensor, group, math.prod(max_shape.tolist()), [tuple(shape) for shape in shapes])
     if taken is not None:
         parts = list(taken.out.split(taken.rows))
         if cats is not None:
@@ -270,8 +271,7 @@ def _unpadded_rows(data: torch.Tensor, lengths: List[int], ndims: int) -> Option
     """MONAI's data (dim 0 made of a 0-d input) of every rank, unpadded, or None: MONAI pads every rank
     to the longest, whose trailing dims must be the same on every rank for its own gather to work."""
     trailing = tuple(data.shape[1:])
-    padded_numel = len(lengths) * max(lengths) * math.prod(trailing)
-    return _unpadded(data, None, padded_numel, [(n, *trailing) for n in lengths], ok=ndims > 0)
+    return _unpadded(data, None, max(lengths) * math.prod(trailing), [(n, *trailing) for n in lengths], ok=ndims > 0)
 
 
 def _torch_all_gather(namespace: Dict[str, Any], data: torch.Tensor, ndims: int, length: int, concat: bool) -> Any:
