@@ -123,6 +123,23 @@ def measure(mib: Sequence[float], repeat: int) -> List[Dict[str, Any]]:
     return rows
 
 
+# Each call's peak with memgather, as a multiple of its result: the result alone, or the library's own
+# clone of it beside it (torchmetrics' compute(), MONAI's get_buffer()).
+FLOORS = {"torchmetrics CatMetric.compute()": 2, "MONAI evenly_divisible_all_gather(concat=True)": 1,
+          "MONAI Cumulative.get_buffer()": 2, "Ignite all_gather_tensors_with_shapes + torch.cat": 1}
+
+
+def check_floors(mib: Sequence[float] = (24, 8)) -> None:
+    """The integration environments' check: every call of the libraries installed, values torch's, its
+    peak at its floor with memgather and at least one result above it without."""
+    rows = measure(mib, 1)
+    assert rows, "no library of integration/uneven_peaks.py is installed here"
+    for row in rows:
+        print(row)
+        assert row["same"], row
+        assert row["memgather"] <= FLOORS[row["call"]] + 0.1 and row["torch"] >= FLOORS[row["call"]] + 1, row
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m integration.uneven_peaks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
