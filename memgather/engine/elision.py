@@ -171,9 +171,15 @@ class _Group:
     def __init__(self, flat: torch.Tensor, slots: List[torch.Tensor], tensor: Optional[torch.Tensor]) -> None:
         self.flat = flat
         self.refs = [weakref.ref(slot) for slot in slots]  # no cycle: slots hold the group, not back
-        # Each slot's place in the buffer, in elements from its start, and its shape, as armed: the
-        # slots of an even gather all have one shape, an uneven gather's parts each their own rows.
-        self.parts = [(slot.storage_offset() - flat.storage_offset(), slot.shape) for slot in slots]
+        # Each slot's place in the buffer, in elements from its start, its shape and that shape's strides,
+        # as armed: the slots of an even gather all have one shape (its strides worked out once), an
+        # uneven gather's parts each their own rows.
+        strides: Dict[Any, Any] = {}
+        self.parts = []
+        for slot in slots:
+            if slot.shape not in strides:
+                strides[slot.shape] = _slots.contiguous_strides(tuple(slot.shape))
+            self.parts.append((slot.storage_offset() - flat.storage_offset(), slot.shape, strides[slot.shape]))
         self.live = True
         self.cow = cow.serves(flat)
         self.source = weakref.ref(tensor) if self.cow and type(tensor) is torch.Tensor else None
@@ -370,7 +376,7 @@ def _elide_plain(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Opti
         return None
     ndim = tensors[0].dim()
     if func is torch.stack:
-        if dim not in (0, -(ndim + 1)) or any(shape != group.parts[0][1] for _, shape in group.parts):
+        if dim not in (0, -(ndim + 1)) or any(shape != group.parts[0][1] for _, shape, _ in group.parts):
             return None  # torch.stack of parts of different rows raises: let it say so
     elif ndim == 0 or dim not in (0, -ndim):  # torch.cat refuses 0-d tensors: let it say so
         return None
@@ -422,8 +428,8 @@ def _in_place(group: _Group, tensors: Sequence[torch.Tensor], swapped: int = _NO
     """
     flat = group.flat
     base = flat.data_ptr()
-    for index, (t, (offset, shape)) in enumerate(zip(tensors, group.parts)):
-        if t.shape != shape or t.dtype != flat.dtype or t.stride() != _slots.contiguous_strides(tuple(shape)):
+    for index, (t, (offset, shape, strides)) in enumerate(zip(tensors, group.parts)):
+        if t.shape != shape or t.dtype != flat.dtype or t.stride() != strides:
             return False
         if index == swapped:
             if t.device != flat.device or t.is_conj() or t.is_neg():
@@ -447,7 +453,7 @@ def _holds_what_was_gathered(group: _Group, source: torch.Tensor, index: int) ->
     Compared as bytes (NaNs and signed zeros included), not trusted from a version counter, which
     ``.data`` writes, numpy and raw pointers leave alone. One read of twice a rank's part: no copy.
     """
-    offset, shape = group.parts[index]
+    offset, shape, _ = group.parts[index]
     try:
         gathered = group.flat.view(-1)[offset : offset + shape.numel()]
         given = source.reshape(-1)
