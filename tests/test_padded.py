@@ -20,23 +20,32 @@ import pytest
 import torch
 
 import memgather
-from memgather.patching import helpers, library_helpers, padded
+from memgather.patching import helpers, library_helpers
 from tests.conftest import EAGER, unwrap
-from tests.library_code import lightning_distributed, monai_dist, torchmetrics_distributed
+from tests.library_code import (
+    lightning_distributed,
+    monai_dist,
+    torchmetrics_1_5,
+    torchmetrics_1_8,
+    torchmetrics_distributed,
+)
 from tests.ranks import as_bytes, make_input
 
+# Each registered shape's verbatim copy, by the helper it stands for.
 COPIES = {
-    "torchmetrics.gather_all_tensors": torchmetrics_distributed.__name__,
-    "monai.evenly_divisible_all_gather": monai_dist.__name__,
-    "lightning_fabric._gather_all_tensors": lightning_distributed.__name__,
-}  # Ignite's helper reads Ignite's own computation model: its environment runs it (integration/)
+    "torchmetrics.gather_all_tensors": [m.__name__ for m in (torchmetrics_distributed, torchmetrics_1_8, torchmetrics_1_5)],
+    "monai.evenly_divisible_all_gather": [monai_dist.__name__],
+    "lightning_fabric._gather_all_tensors": [lightning_distributed.__name__],
+}  # Ignite's helper reads Ignite's own computation model: the real one runs (test_ignite_takeover below)
+TORCHMETRICS = (torchmetrics_distributed.gather_all_tensors, torchmetrics_1_8.gather_all_tensors,
+                torchmetrics_1_5.gather_all_tensors)
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool", "complex64"]
 
 
 def _register() -> None:
     for helper in library_helpers.HELPERS:
-        if helper.key in COPIES:
-            helpers.register(dataclasses.replace(helper, key="copy of " + helper.key, module=COPIES[helper.key]))
+        for module in COPIES.get(helper.key, ()):
+            helpers.register(dataclasses.replace(helper, key=f"copy of {helper.key} in {module}", module=module))
 
 
 def _cases(world: int, seed: int) -> List[Dict[str, Any]]:
@@ -76,10 +85,24 @@ def _seen(value: Any, given: torch.Tensor) -> Any:
     """What a caller can read of a helper's answer."""
     if isinstance(value, torch.Tensor):
         return (as_bytes(value.detach().cpu()), value.dtype, tuple(value.shape), value.stride(), value.requires_grad,
-                value is given, value.is_contiguous(), type(value) is torch.Tensor or type(value).__name__)
+                value is given, value.is_contiguous(), type(value) is torch.Tensor or type(value).__name__,
+                value._version, value._base is not None, value.grad_fn is not None)
     if isinstance(value, list):
         return [_seen(v, given) for v in value]
     return repr(value)
+
+
+def _written(gathered: Any, given: torch.Tensor) -> Any:
+    """Each entry's version after an in-place write into the first entry that is not the input: a write
+    into one of the library's separate slots bumps no other's."""
+    if not isinstance(gathered, list):
+        return None
+    entries = [t for t in gathered if isinstance(t, torch.Tensor) and t is not given and not t.requires_grad]
+    if not entries or entries[0].numel() == 0:
+        return None
+    with torch.no_grad():
+        entries[0].copy_(entries[0].clone())
+    return [t._version for t in gathered]
 
 
 def _call(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -93,16 +116,18 @@ def _answers(given: torch.Tensor, case: Dict[str, Any]) -> List[Any]:
     """Every helper's answer to ``given``, as a caller sees it, and the cat of each returned list
     (MONAI's where the ranks differ in dim 0 alone, as it requires: else its own gather breaks)."""
     out = []
-    for helper in (torchmetrics_distributed.gather_all_tensors, lightning_distributed._gather_all_tensors):
+    for helper in (*TORCHMETRICS, lightning_distributed._gather_all_tensors):
         gathered = _call(helper, given)
         cat = _call(torch.cat, gathered) if isinstance(gathered, list) else None  # first: as their callers do
         out.append(_seen(gathered, given))
         out.append(_seen(cat, given))
-        out.append(cat._version if isinstance(cat, torch.Tensor) else None)
+        out.append(_written(gathered, given))
     if len({tuple(shape)[1:] for shape in case["shapes"]}) > 1:
         return out
     for concat in (True, False):
-        out.append(_seen(_call(monai_dist.evenly_divisible_all_gather, given, concat=concat), given))
+        gathered = _call(monai_dist.evenly_divisible_all_gather, given, concat=concat)
+        out.append(_seen(gathered, given))
+        out.append(_written(gathered, given))
     return out
 
 
@@ -131,7 +156,8 @@ def test_taken_over_helpers_answer_as_the_libraries_own_code(pools: Any, world: 
         for case, (same, label, routes) in zip(cases, results):
             assert same, f"rank {rank}: {label}"
             for copy in ("torchmetrics_distributed.gather_all_tensors", "monai_dist.evenly_divisible_all_gather",
-                         "lightning_distributed._gather_all_tensors"):
+                         "lightning_distributed._gather_all_tensors", "torchmetrics_1_8.gather_all_tensors",
+                         "torchmetrics_1_5.gather_all_tensors"):
                 assert copy in label, label
     # The uneven cases of one trailing shape went unpadded: broadcasts into one tensor.
     assert any(routes.get("broadcast") for _, _, routes in results), results
@@ -154,39 +180,43 @@ def test_small_uneven_gathers_take_the_librarys_padded_way(pools: Any) -> None:
             assert not routes.get("broadcast"), (rank, label, routes)
 
 
+def _cat_of_torchmetrics(given: torch.Tensor) -> torch.Tensor:
+    return torch.cat(torchmetrics_distributed.gather_all_tensors(given))  # a caller proven to concatenate
+
+
+def _cat_of_lightning(given: torch.Tensor) -> torch.Tensor:
+    return torch.cat(lightning_distributed._gather_all_tensors(given))
+
+
 def elided(ctx: Any) -> Dict[str, Any]:
-    """torchmetrics' list, uneven: its cat is the gathered tensor, as a copy-on-write snapshot."""
+    """torchmetrics' list, uneven: where its caller's code concatenates it at once, the cat is the gathered
+    tensor, as a copy-on-write snapshot; where the caller keeps the list, its entries are plain tensors."""
     _register()
     given = torch.arange(3 + 2 * ctx.rank, dtype=torch.float32) + 100 * ctx.rank
     memgather.patch(["tests.library_code"])
     try:
-        gathered = torchmetrics_distributed.gather_all_tensors(given)
-        kinds = [type(t).__name__ for t in gathered]
-        cat = torch.cat(gathered)
-        elided_now = torch._C._is_cow_tensor(cat)
-        values = cat.tolist()
-        fabric = lightning_distributed._gather_all_tensors(given)
-        fabric_kinds = [type(t).__name__ for t in fabric]
-        fabric_cat = torch.cat(fabric)
-        fabric_elided = torch._C._is_cow_tensor(fabric_cat) and fabric_cat.tolist() == values
+        cat = _cat_of_torchmetrics(given)
+        fabric_cat = _cat_of_lightning(given)
+        kept = torchmetrics_distributed.gather_all_tensors(given)
+        kinds = [type(t).__name__ for t in kept]
+        kept_cat = torch.cat(kept)
         memgather.patch(["tests.library_code"], elide=False)
-        unarmed = [type(t).__name__ for t in torchmetrics_distributed.gather_all_tensors(given)]
+        unarmed = torch._C._is_cow_tensor(_cat_of_torchmetrics(given))
     finally:
         memgather.unpatch()
-    return {"kinds": kinds, "cow": elided_now, "values": values, "unarmed": unarmed,
-            "fabric": (fabric_kinds, fabric_elided)}
+    return {"cow": torch._C._is_cow_tensor(cat), "values": cat.tolist(), "kinds": kinds, "unarmed": unarmed,
+            "fabric": (torch._C._is_cow_tensor(fabric_cat), fabric_cat.tolist()),
+            "kept cat": (torch._C._is_cow_tensor(kept_cat), kept_cat.tolist())}
 
 
-def test_the_cat_of_torchmetrics_list_is_elided(pools: Any) -> None:
+def test_the_cat_of_torchmetrics_list_is_elided_where_its_caller_is_proven_to_concatenate(pools: Any) -> None:
     want = [float(v) for r in range(2) for v in (torch.arange(3 + 2 * r) + 100 * r).tolist()]
-    for rank, got in enumerate(unwrap(pools(2, **EAGER).run(elided))):
-        assert got["values"] == want
-        assert got["cow"], got
-        # Its own rank's entry is the input itself; the other rank's is armed for the cat.
-        assert got["kinds"][rank] == "Tensor" and got["kinds"][1 - rank] == "ElidableSlot", got
-        assert got["unarmed"] == ["Tensor", "Tensor"], got
-        # Lightning's copy returns every entry gathered, its own too: all armed, the cat elided.
-        assert got["fabric"] == (["ElidableSlot", "ElidableSlot"], True), got
+    for got in unwrap(pools(2, **EAGER).run(elided)):
+        assert got["values"] == want and got["cow"], got
+        assert got["fabric"] == (True, want), got
+        # A list the caller keeps: plain tensors (no subclass of memgather's in the caller's hands), cat copied.
+        assert got["kinds"] == ["Tensor", "Tensor"] and got["kept cat"] == (False, want), got
+        assert got["unarmed"] is False, got
 
 
 def test_recognised_by_code_and_given_back() -> None:
@@ -204,7 +234,7 @@ def test_recognised_by_code_and_given_back() -> None:
         assert function.__code__ is not code
         assert inspect.signature(function) == signature and inspect.getsource(function) == source
         assert sorted(helpers.taken_over()) == sorted(
-            f"{COPIES[h.key]}.{h.name}" for h in library_helpers.HELPERS if h.key in COPIES
+            f"{module}.{h.name}" for h in library_helpers.HELPERS for module in COPIES.get(h.key, ())
         )
         with memgather.disabled():  # the library's own code runs (here without a group: its own error)
             with pytest.raises((ValueError, RuntimeError)):
@@ -264,7 +294,7 @@ def test_the_two_rank_helpers_script_the_gpu_runs_passes_on_gloo() -> None:
 
     for results in nccl_ranks.run(HELPERS_TWO_RANKS, backend="gloo", env=EAGER, timeout_s=180):
         for shapes, same, unpadded in results:
-            assert same and unpadded == 4, (shapes, unpadded)  # torchmetrics', Lightning's, MONAI's twice
+            assert same and unpadded == 6, (shapes, unpadded)  # torchmetrics' three, Lightning's, MONAI's twice
 
 
 def test_doctor_reads_each_helpers_code_from_its_file_without_importing_it() -> None:
@@ -273,8 +303,8 @@ def test_doctor_reads_each_helpers_code_from_its_file_without_importing_it() -> 
     assert states[f"{torchmetrics_distributed.__name__}.gather_all_tensors"].startswith("recognised"), states
     assert states[f"{monai_dist.__name__}.evenly_divisible_all_gather"].startswith("recognised"), states
     assert states["ignite.distributed.utils.all_gather_tensors_with_shapes"] == "not installed", states
-    changed = helpers.Helper("changed", torchmetrics_distributed.__name__, "gather_all_tensors", ("0" * 32,), (),
-                             "memgather.patching.padded:gather_all_tensors")
+    changed = helpers.Helper("changed", torchmetrics_distributed.__name__, "gather_all_tensors",
+                             (helpers.Shape("0" * 32, "none"),), (), "memgather.patching.padded:gather_all_tensors")
     missing = dataclasses.replace(changed, key="missing", name="no_such_function")
     assert "not a shape" in helpers._state_on_disk(changed) and "not defined" in helpers._state_on_disk(missing)
 
@@ -308,19 +338,18 @@ def test_ranks_that_differ_where_the_library_allows_take_one_way(pools: Any) -> 
 
 
 def kept_lists(ctx: Any) -> List[Any]:
-    """torchmetrics' list kept, never concatenated (a list state with dist_reduce_fx=None): after two such
-    calls its lists are no longer armed, and hold the other ranks' rows alone, as the library's slices do."""
+    """torchmetrics' list kept, never concatenated (a list state with dist_reduce_fx=None): its entries are
+    plain tensors from the first call, and hold the other ranks' rows alone, as the library's slices do."""
     _register()
-    padded._CATS.clear()  # what earlier programs in this process did with their lists is not this one's
     memgather.patch(["tests.library_code"])
     try:
         seen = []
         kept = []
-        for _ in range(4):
+        for _ in range(3):
             given = torch.ones(1000 + 500 * ctx.rank, 8)
             gathered = torchmetrics_distributed.gather_all_tensors(given)
             other = gathered[1 - ctx.rank]
-            seen.append((type(other).__name__, other.untyped_storage().nbytes()))
+            seen.append((type(other).__name__, other.untyped_storage().nbytes(), gathered[ctx.rank] is given))
             kept.append(gathered)
     finally:
         memgather.unpatch()
@@ -330,8 +359,7 @@ def kept_lists(ctx: Any) -> List[Any]:
 def test_a_kept_list_holds_no_second_copy_of_the_ranks_own_rows(pools: Any) -> None:
     for rank, seen in enumerate(unwrap(pools(2, **EAGER).run(kept_lists))):
         other_rows = 1000 + 500 * (1 - rank)
-        assert seen[0] == ("ElidableSlot", (1000 + 1500) * 8 * 4), seen  # armed: the whole tensor, for a cat
-        assert seen[-1] == ("Tensor", other_rows * 8 * 4), seen  # the other rank's rows alone
+        assert seen == [("Tensor", other_rows * 8 * 4, True)] * 3, seen  # the other rank's rows alone
 
 
 def observed(ctx: Any) -> Dict[str, Any]:

@@ -38,7 +38,6 @@ lists them.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -108,55 +107,6 @@ _METADATA_PROPERTIES = frozenset(
 )
 
 
-class Cats:
-    """What became of one call site's armed gathers: how many a cat or stack returned, how many were
-    put to another use first or dropped unused. A function that returns its list arms the slots for
-    a cat its caller may not make; where it does not, the rebind cost the slots their memory (fresh
-    pages to fault in, where slots made by zeros_like could have been filled where they lay) and
-    holds the whole buffer while any slot lives, where torch would have freed the slot the function
-    replaced (``L[rank] = input``): such a site is armed only while its callers concatenate at least
-    about as often as not, recent outcomes weighing most (``WINDOW``), and, where they do not, still
-    once in ``TRIAL`` calls, so that callers that have changed are seen. A list kept with its slots
-    untouched counts as neither."""
-
-    __slots__ = ("elided", "refused", "skipped")
-
-    # Past this many outcomes both counts are halved: what the callers do now weighs most.
-    WINDOW = 16
-    # A site not worth arming is armed for a trial once in this many calls: its callers may have changed.
-    TRIAL = 8
-
-    def __init__(self) -> None:
-        self.elided = 0
-        self.refused = 0
-        self.skipped = 0
-
-    def worth_arming(self) -> bool:
-        if self.refused <= self.elided + 1:
-            return True
-        self.skipped += 1
-        return self.skipped % self.TRIAL == 0
-
-    def count(self, elided: bool) -> None:
-        """One armed gather's outcome: its slots concatenated (``elided``), or not."""
-        if elided:
-            self.elided += 1
-        else:
-            self.refused += 1
-        if self.elided + self.refused >= self.WINDOW:
-            self.elided //= 2
-            self.refused //= 2
-
-
-# The call site's record for the gather about to be armed on this thread (``expect``).
-_expected = threading.local()
-
-
-def expect(cats: Optional[Cats]) -> None:
-    """The next ``arm`` on this thread counts what becomes of its slots in ``cats`` (None: nowhere)."""
-    _expected.cats = cats
-
-
 class _Group:
     """The slots of one rebind, the buffer they tile, and the gather's input.
 
@@ -166,7 +116,7 @@ class _Group:
     very bytes gathered from it.
     """
 
-    __slots__ = ("flat", "refs", "parts", "live", "cow", "source", "cats")
+    __slots__ = ("flat", "refs", "parts", "live", "cow", "source")
 
     def __init__(self, flat: torch.Tensor, slots: List[torch.Tensor], tensor: Optional[torch.Tensor]) -> None:
         self.flat = flat
@@ -183,14 +133,6 @@ class _Group:
         self.live = True
         self.cow = cow.serves(flat)
         self.source = weakref.ref(tensor) if self.cow and type(tensor) is torch.Tensor else None
-        self.cats: Optional[Cats] = getattr(_expected, "cats", None)
-        if self.cats is not None:
-            _expected.cats = None
-
-    def __del__(self) -> None:
-        # Every slot gone while still armed: the gather's list was dropped without a cat.
-        if self.live and self.cats is not None:
-            self.cats.count(elided=False)
 
     def disarm(self) -> None:
         """Every slot of the group back to a plain tensor; no elision any more."""
@@ -313,8 +255,6 @@ def disarm(slot: torch.Tensor) -> None:
     """Turn an armed slot (and the rest of its group) back into a plain tensor."""
     group = slot.__dict__.get(_GROUP)
     if group is not None:
-        if group.live and group.cats is not None:
-            group.cats.count(elided=False)
         group.disarm()
     _make_plain(slot)
 
@@ -493,8 +433,6 @@ def _hand_out(group: _Group, tensors: Sequence[torch.Tensor], stacked: bool) -> 
         except RuntimeError:  # memory torch cannot share lazily (shared memory, another owner's): cat copies
             return None
     counters.record_elided()
-    if group.cats is not None:
-        group.cats.count(elided=True)
     group.disarm()
     if group.cow:
         return result

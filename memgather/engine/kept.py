@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Tu
 import torch
 
 from memgather import compat
-from memgather.engine import elision, strategies
+from memgather.engine import strategies
 from memgather.engine.call import Call
 from memgather.engine.group_facts import GroupFacts, entry
 from memgather.engine.plan import Plan
@@ -108,16 +108,14 @@ class Site:
 
     ``elision`` is ``memgather.patching.sites``' to hold: the verdict of the call site's code (with
     the instruction offset and globals it was proven for, and the bindings it rests on), so that a gatherer's
-    next call reads it here rather than looking it up by its chain of frames. ``cats``: where the
-    site's function returns its list, what its callers did with the slots armed for them.
+    next call reads it here rather than looking it up by its chain of frames.
     """
 
-    __slots__ = ("kept", "elision", "cats")
+    __slots__ = ("kept", "elision")
 
     def __init__(self) -> None:
         self.kept: Optional[Kept] = None
         self.elision: Optional[Tuple[int, Any, Any, Any]] = None
-        self.cats: Optional[elision.Cats] = None  # a function that returns its list: what its callers did
 
 
 # A code's call sites held at most: the calls of a code that gathers from more places than

@@ -145,7 +145,7 @@ def patch(
         )
         _exported = (written, before if _exported is None else _exported[1])
         _hook_targets(selection)
-        helpers.uninstall()  # an earlier patch()'s selection ends here, as its other settings do
+        # An earlier patch()'s selection ends here, as its other settings do; what both select stays.
         helpers.install(lambda module: _helper_selected(module, active), active.elide)
         report.install(settings.report)
     _log.info("memgather patched all_gather for %s", ", ".join(selection.names) or "no targets")
@@ -190,6 +190,11 @@ def is_patched() -> bool:
 
 
 def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    flight = helpers.in_flight()
+    if flight is not None:  # a taken-over helper's code runs on this thread: is this its size exchange?
+        exchange = flight.site(sys._getframe(1))
+        if exchange is not None:
+            return flight.exchanged(exchange, wrapped, args, kwargs)
     active = _active
     if active is not None and not scope.is_disabled() and not compat.is_compiling():
         frame = sys._getframe(1)
@@ -214,25 +219,22 @@ def _on_call(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
                 found = found if gatherer else sites.verdict(frame, False, site)
                 elide = sites.dropped(found, *_list_and_tensor(args, kwargs))
                 if elide and found.returned:
-                    return _armed_for_the_caller(site, args, kwargs, active, made_like)
+                    return _armed_for_the_caller(frame, site, args, kwargs, active, made_like)
             return _carry_out(site, args, kwargs, active, elide, made_like)
     if elision.watching():  # torch writes into the slots in place: never into a result elision handed out
         elision.settle_list(args[0] if args else kwargs.get("tensor_list"))
     return wrapped(*args, **kwargs)
 
 
-def _armed_for_the_caller(site: Any, args: Any, kwargs: Any, active: _Active, made_like: bool) -> Any:
-    """A gather whose function returns its list: armed for the caller's cat while the site's callers
-    concatenate about as often as not (``elision.Cats``), the record handed to the arming."""
-    cats = site.cats
-    if cats is None:
-        cats = site.cats = elision.Cats()
-    elide = cats.worth_arming()
-    elision.expect(cats if elide else None)
-    try:
-        return _carry_out(site, args, kwargs, active, elide, made_like)
-    finally:
-        elision.expect(None)  # a call that armed nothing leaves no record to a later one
+def _armed_for_the_caller(frame: Any, site: Any, args: Any, kwargs: Any, active: _Active, made_like: bool) -> Any:
+    """A gather whose function returns its list: armed only where the code it returns the list to is
+    proven to concatenate it at once (``sites.received``), so that no armed slot reaches code that
+    does not concatenate."""
+    gathering = sites.gathering_frame(frame)
+    elide = (
+        gathering is not None and gathering.f_back is not None and sites.received(gathering.f_back, gathering).proven
+    )
+    return _carry_out(site, args, kwargs, active, elide, made_like)
 
 
 def _carry_out(site: Any, args: Any, kwargs: Any, active: _Active, elide: bool, made_like: bool) -> Any:

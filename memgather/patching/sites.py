@@ -53,6 +53,7 @@ Key = Tuple[Tuple[int, int, int], ...]  # (code, instruction, globals) of each f
 Bindings = Tuple[Tuple[Any, str, Any], ...]
 _lock = threading.Lock()
 _verdicts: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}
+_received: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}
 _MISSING = object()
 
 
@@ -90,6 +91,53 @@ def verdict(frame: Optional[FrameType], gatherer: bool = False, site: Any = None
         site.elision = (frame.f_lasti, found, bindings, frame.f_globals)
         return found
     return _verdict(frame, gatherer)[0]
+
+
+def received(frame: Optional[FrameType], below: FrameType) -> Verdict:
+    """Whether the list of gathered tensors that ``below``'s function returns to ``frame`` goes straight
+    to one cat that drops it (``proof.receiver``), in ``frame`` or, where ``frame`` returns the value as
+    it is (``proof.passes_on``), in a frame further up (at most ``_MAX_HAND_ON``). Proven once per
+    chain of places, then looked up while the names it rests on still hold."""
+    chain = [below]
+    while frame is not None and len(chain) <= _MAX_HAND_ON:
+        chain.append(frame)
+        frame = frame.f_back
+    key = _key(chain)
+    known = _received.get(key)
+    if known is not None and _same_codes(known[0], chain) and _still_bound(known[1], known[2]):
+        return known[1]
+    bindings: List[Tuple[Any, str, Any]] = []
+    try:
+        found, where = _receiver_up(chain, bindings)
+    except Exception as error:  # noqa: BLE001 - reading a caller's code must never break its gather
+        _log.debug("memgather: the receiver proof failed", exc_info=True)
+        found, where = proof.refuse(f"the proof failed: {type(error).__name__}: {error}"), chain[1]
+    held = tuple({(id(space), name): (space, name, thing) for space, name, thing in bindings}.values())
+    with _lock:
+        if len(_received) >= _MAX_SITES:
+            _received.clear()
+        _received[key] = (tuple(f.f_code for f in chain), found, held)
+    _log.info(
+        "memgather: cat elision of the list returned to %s: %s (%s)",
+        _where(where),
+        "on" if found.proven else "off",
+        found.reason,
+    )
+    return found
+
+
+def _receiver_up(chain: List[FrameType], bindings: List[Tuple[Any, str, Any]]) -> Tuple[Verdict, FrameType]:
+    for below, frame in zip(chain, chain[1:]):
+        link = _calls_into(frame, below, False, bindings)  # no wrapper or cache between (it could keep the list)
+        if link:
+            return proof.refuse(link), frame
+        found = _at(frame, proof.receiver, _any_call, bindings)
+        if found.proven:
+            return found, frame
+        handed = _at(frame, lambda function, call, resolve: proof.passes_on(function, call), _any_call, bindings)
+        if not handed.proven:
+            return proof.refuse(found.reason), frame
+    return proof.refuse("the list is handed on further than memgather follows"), chain[-1]
 
 
 def _still_bound(found: Verdict, bindings: Bindings) -> bool:
@@ -137,12 +185,20 @@ def forget() -> None:
     """Forget every verdict (``patch()`` and ``unpatch()`` do: the settings they run under change)."""
     with _lock:
         _verdicts.clear()
+        _received.clear()
 
 
 def _held_by_the_list_alone(tensor_list: Any) -> bool:
     """Each slot is referenced by the list only (3: the list, the loop's name, getrefcount's argument):
     a slot kept anywhere else (a pool, a cache, a name) is not a fresh one, whatever the code said."""
     return type(tensor_list) is list and all(sys.getrefcount(slot) == 3 for slot in tensor_list)
+
+
+def gathering_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
+    """The frame whose code makes the gather: the first past wrapt's and memgather's own."""
+    while frame is not None and _own(module_of(frame)):
+        frame = frame.f_back
+    return frame
 
 
 def _chain(frame: Optional[FrameType]) -> List[FrameType]:
