@@ -246,6 +246,11 @@ def digest(function: Any) -> Optional[str]:
     return None if tree is None else _digest_of(tree)
 
 
+def source_tree(function: Any) -> Optional[ast.AST]:
+    """``function``'s definition as a syntax tree, read from its source (None where it cannot be read)."""
+    return _tree(function)
+
+
 def _tree(function: Any) -> Optional[ast.AST]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))

@@ -26,8 +26,12 @@ def _module_named(name: str) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, types.ModuleType) and value.__name__ == name
 
 
-_OWN_ENTRY = (("own_entry_is_input", True),)  # torchmetrics from 1.6: its own rank's entry is its input
-_ALL_GATHERED = (("own_entry_is_input", False),)  # every entry gathered, its own rank's too
+# What the takeover must know of each shape: whether its own rank's entry is its input (torchmetrics from
+# 1.6) or gathered too, and whether it slices its slots with a list of slices (``[slice_param]``, which
+# torch warns of) rather than a tuple.
+_OWN_ENTRY = (("own_entry_is_input", True), ("list_index", False))
+_OWN_ENTRY_LIST_INDEX = (("own_entry_is_input", True), ("list_index", True))
+_ALL_GATHERED_LIST_INDEX = (("own_entry_is_input", False), ("list_index", True))
 
 # A release whose helper differs in anything but comments, docstrings and annotations keeps its own code.
 HELPERS = (
@@ -37,8 +41,8 @@ HELPERS = (
         "gather_all_tensors",
         (
             helpers.Shape("f7bbbc8c68776c318d808ef82f336333", "torchmetrics 1.9", _OWN_ENTRY),
-            helpers.Shape("3d565f6673114ffada2a8275df6ee566", "torchmetrics 1.6.0 to 1.8.2", _OWN_ENTRY),
-            helpers.Shape("e8ab98faf94547ed9c1ec78f28384e55", "torchmetrics 1.0.0 to 1.5.2", _ALL_GATHERED),
+            helpers.Shape("3d565f6673114ffada2a8275df6ee566", "torchmetrics 1.6.0 to 1.8.2", _OWN_ENTRY_LIST_INDEX),
+            helpers.Shape("e8ab98faf94547ed9c1ec78f28384e55", "torchmetrics 1.0.0 to 1.5.2", _ALL_GATHERED_LIST_INDEX),
         ),
         (("torch", _is(torch)), ("F", _is(torch.nn.functional)), ("_simple_gather_all_tensors", callable)),
         "memgather.patching.padded:gather_all_tensors",
@@ -79,7 +83,7 @@ HELPERS = (
             f"{module}._gather_all_tensors",
             f"{module}.utilities.distributed",
             "_gather_all_tensors",
-            (helpers.Shape("cc67a5f31c159d59a69870c3a13a1f9c", "Lightning 2.0 to 2.6", _ALL_GATHERED),),
+            (helpers.Shape("cc67a5f31c159d59a69870c3a13a1f9c", "Lightning 2.0 to 2.6", _ALL_GATHERED_LIST_INDEX),),
             (("torch", _is(torch)), ("F", _is(torch.nn.functional)), ("_simple_gather_all_tensors", callable)),
             "memgather.patching.padded:gather_all_tensors",
             (helpers.Exchange("local_sizes"),),

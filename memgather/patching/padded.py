@@ -17,8 +17,10 @@ of ``world`` separate padded slots.
 
 from __future__ import annotations
 
+import ast
 import math
-from typing import Any, List, NamedTuple, Optional, Sequence
+import warnings
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -178,6 +180,8 @@ class _GatherAllTensors:
         # The library's slots are zeros_like(...) gathered into, as its size slots were: their versions.
         versions = [size._version for size in exchanged]
         own_entry_is_input = call.options["own_entry_is_input"]
+        if call.options["list_index"] and _list_index_warnings() is None:
+            return None  # this torch refuses its slices' list index: its own code raises as it does
         armed = _caller_concatenates(call, result)
         # torchmetrics puts the input in its own rank's place: the tensor keeps those rows only for a
         # cat to return it whole; where no cat is proven, it holds the other ranks' rows alone.
@@ -195,10 +199,69 @@ class _GatherAllTensors:
             gathered = _own_slices(taken, versions)
         if own_entry_is_input:  # "to propagate autograd graph from local rank"
             gathered[torch.distributed.get_rank(call.argument("group"))] = result
+        if call.options["list_index"]:
+            _warn_as_the_library(call, len(gathered))
         return gathered
 
 
 gather_all_tensors = _GatherAllTensors()
+
+
+_probed: List[Optional[List[Tuple[str, type]]]] = []
+
+
+def _list_index_warnings() -> Optional[List[Tuple[str, type]]]:
+    """What this torch does where a library slices a tensor with a list of slices (``x[[slice(n)]]``):
+    the warnings it gives (torch 2.x: a deprecation), or None where it raises. Probed once, on a tiny
+    tensor, outside every mode."""
+    if not _probed:
+        with compat.outside_modes(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                torch.zeros(1, 1)[[slice(1), slice(1)]]
+            except Exception:  # noqa: BLE001 - any refusal: the library's own code meets it
+                outcome = None
+            else:
+                outcome = [(str(w.message), w.category) for w in caught]
+        _probed.append(outcome)
+    return _probed[0]
+
+
+def _warn_as_the_library(call: helpers.Call, slices: int) -> None:
+    """The warnings the library's own slicing gives (once per slot, attributed to its line), where
+    memgather took its slicing over: a filter by module or an ``error`` filter sees them as without it."""
+    line = _list_index_line(call.entry.original)
+    found = _list_index_warnings()
+    if line is None or not found:
+        return
+    namespace = call.namespace
+    registry = namespace.setdefault("__warningregistry__", {})
+    for _ in range(slices):
+        for message, category in found:
+            warnings.warn_explicit(
+                message, category, call.entry.code.co_filename, line, namespace.get("__name__"), registry, namespace
+            )
+
+
+_lines: Dict[Any, Optional[int]] = {}
+
+
+def _list_index_line(function: Any) -> Optional[int]:
+    """The line of ``function``'s file where it slices with its list of slices (``x[slice_param]``)."""
+    code = function.__code__
+    if code not in _lines:
+        tree = helpers.source_tree(function)
+        found = []
+        if isinstance(tree, ast.FunctionDef):
+            found = [
+                code.co_firstlineno + node.lineno - tree.lineno
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Subscript)
+                and isinstance(node.slice, ast.Name)
+                and node.slice.id == "slice_param"
+            ]
+        _lines[code] = found[0] if len(found) == 1 else None
+    return _lines[code]
 
 
 class _EvenlyDivisibleAllGather:
