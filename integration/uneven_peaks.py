@@ -56,13 +56,17 @@ def _cumulative(local: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 
 def _with_shapes(local: torch.Tensor) -> Callable[[], torch.Tensor]:
-    import ignite.distributed as idist
-
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(lengths, torch.tensor([local.numel()]))
     shapes = [[int(n)] for n in lengths]
-    # The list of every rank's tensor, concatenated here so that one tensor is the call's result.
-    return lambda: torch.cat(idist.all_gather_tensors_with_shapes(local, shapes))
+
+    def call() -> torch.Tensor:
+        import ignite.distributed as idist
+
+        # The list of every rank's tensor, concatenated at once, as a caller that wants one tensor does.
+        return torch.cat(idist.all_gather_tensors_with_shapes(local, shapes))
+
+    return call
 
 
 CALLS: Dict[str, Callable[[torch.Tensor], Callable[[], torch.Tensor]]] = {

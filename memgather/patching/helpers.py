@@ -224,6 +224,7 @@ _installed: Dict[str, _Installed] = {}  # taken over now
 # Every helper ever taken over in this process, kept: a trampoline already running when
 # unpatch() gives the code back still finds the library's code to run.
 _seen: Dict[str, _Installed] = {}
+_trampolines: Dict[types.CodeType, types.CodeType] = {}  # each trampoline -> the library's code it stands for
 _hooked: set = set()
 _enabled = False
 _elide: Optional[bool] = None  # the active patch's elide= (None: memgather decides)
@@ -394,6 +395,12 @@ def elide_setting() -> Optional[bool]:
     return _elide
 
 
+def runs(code: types.CodeType) -> Optional[types.CodeType]:
+    """The library's own code of the helper whose trampoline ``code`` is (None where it is none): the
+    trampoline returns what that code returns, where memgather does not take the call over."""
+    return _trampolines.get(code)
+
+
 def taken_over() -> List[str]:
     """The helpers memgather runs now, as ``module.name``."""
     return [f"{entry.helper.module}.{entry.helper.name}" for entry in _installed.values()]
@@ -498,6 +505,7 @@ def _take_over(helper: Helper, module: types.ModuleType) -> None:
     original.__kwdefaults__ = function.__kwdefaults__
     function.__globals__[GLOBAL] = sys.modules[__name__]  # kept after unpatch(): a trampoline may be starting
     function.__code__ = _trampoline(code, helper.key)
+    _trampolines[function.__code__] = code
     entry = _Installed(helper, shape, function, code, original, takeover, sites)
     _installed[helper.key] = _seen[helper.key] = entry
     _log.info(

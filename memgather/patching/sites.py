@@ -36,7 +36,7 @@ import torch
 from memgather import cow
 from memgather.engine import core
 from memgather.frames import module_of, under
-from memgather.patching import callers, proof, sources
+from memgather.patching import callers, helpers, proof, sources
 from memgather.patching.proof import Verdict
 from memgather.patching.wrapper import MemgatherWrapper
 
@@ -100,7 +100,8 @@ def received(frame: Optional[FrameType], below: FrameType) -> Verdict:
     chain of places, then looked up while the names it rests on still hold."""
     chain = [below]
     while frame is not None and len(chain) <= _MAX_HAND_ON:
-        chain.append(frame)
+        if not _own(module_of(frame)):  # a taken-over helper's way through memgather: not the caller's code
+            chain.append(frame)
         frame = frame.f_back
     key = _key(chain)
     known = _received.get(key)
@@ -128,6 +129,8 @@ def received(frame: Optional[FrameType], below: FrameType) -> Verdict:
 
 def _receiver_up(chain: List[FrameType], bindings: List[Tuple[Any, str, Any]]) -> Tuple[Verdict, FrameType]:
     for below, frame in zip(chain, chain[1:]):
+        if helpers.runs(frame.f_code) is below.f_code:
+            continue  # a taken-over helper's trampoline, over its own code: it returns that code's value
         link = _calls_into(frame, below, False, bindings)  # no wrapper or cache between (it could keep the list)
         if link:
             return proof.refuse(link), frame
