@@ -13,7 +13,9 @@ more mapped afresh and unmapped when freed: ``rss.track_allocations``):
 - MONAI ``evenly_divisible_all_gather(data, concat=True)``: padded to the longest rank by MONAI;
 - MONAI ``Cumulative.get_buffer()``: its buffer stacked, then as above;
 - Ignite ``idist.all_gather_tensors_with_shapes(tensor, shapes)`` (padded to the longest rank by
-  Ignite, gathered, each rank's slice returned), then ``torch.cat`` of the list.
+  Ignite, gathered, each rank's slice returned), then ``torch.cat`` of the list;
+- Lightning Fabric's ``_gather_all_tensors`` (torchmetrics' copy: padded, gathered, sliced), then
+  ``torch.cat`` of the list.
 
 The calls of the libraries installed run: the ``newest`` tox environment has both, with Ignite,
 through which MONAI then gathers; the ``monai`` one has MONAI alone, which then gathers
@@ -69,6 +71,15 @@ def _with_shapes(local: torch.Tensor) -> Callable[[], torch.Tensor]:
     return call
 
 
+def _fabric_gather(local: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def call() -> torch.Tensor:
+        from lightning_fabric.utilities.distributed import _gather_all_tensors
+
+        return torch.cat(_gather_all_tensors(local))  # every rank's values, as a caller that wants one tensor has them
+
+    return call
+
+
 CALLS: Dict[str, Callable[[torch.Tensor], Callable[[], torch.Tensor]]] = {
     name: make
     for name, make, library in (
@@ -76,6 +87,7 @@ CALLS: Dict[str, Callable[[torch.Tensor], Callable[[], torch.Tensor]]] = {
         ("MONAI evenly_divisible_all_gather(concat=True)", _evenly, "monai"),
         ("MONAI Cumulative.get_buffer()", _cumulative, "monai"),
         ("Ignite all_gather_tensors_with_shapes + torch.cat", _with_shapes, "ignite"),
+        ("Lightning Fabric _gather_all_tensors + torch.cat", _fabric_gather, "lightning_fabric"),
     )
     if importlib.util.find_spec(library) is not None  # the calls of the libraries installed here
 }
@@ -98,7 +110,7 @@ def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int) -> D
         for _ in range(repeat):
             for way in ("torch", "memgather"):
                 if way == "memgather":
-                    memgather.patch(["torchmetrics", "monai", "ignite"])
+                    memgather.patch(["torchmetrics", "monai", "ignite", "lightning_fabric"])
                 call = make(local)
                 dist.barrier()
                 before = rss.current_bytes()
@@ -130,7 +142,8 @@ def measure(mib: Sequence[float], repeat: int) -> List[Dict[str, Any]]:
 # Each call's peak with memgather, as a multiple of its result: the result alone, or the library's own
 # clone of it beside it (torchmetrics' compute(), MONAI's get_buffer()).
 FLOORS = {"torchmetrics CatMetric.compute()": 2, "MONAI evenly_divisible_all_gather(concat=True)": 1,
-          "MONAI Cumulative.get_buffer()": 2, "Ignite all_gather_tensors_with_shapes + torch.cat": 1}
+          "MONAI Cumulative.get_buffer()": 2, "Ignite all_gather_tensors_with_shapes + torch.cat": 1,
+          "Lightning Fabric _gather_all_tensors + torch.cat": 1}
 
 
 def check_floors(mib: Sequence[float] = (24, 8)) -> None:

@@ -47,11 +47,11 @@ def _seen(value: Any) -> Any:
     return repr(value)
 
 
-def _each_way(program: Callable[[], Any]) -> Dict[str, Any]:
-    """``program()`` unpatched, then patched for the helpers' copies."""
+def _each_way(program: Callable[[], Any], targets: Any = ("tests.library_code",)) -> Dict[str, Any]:
+    """``program()`` unpatched, then patched for the helpers' copies (or ``targets``)."""
     _register()
     theirs = program()
-    memgather.patch(["tests.library_code"])
+    memgather.patch(list(targets))
     try:
         taken = sorted(helpers.taken_over())
         memgather.reset_stats()
@@ -214,6 +214,38 @@ def kept_lists(ctx: Any) -> Dict[str, Any]:
     return _each_way(program)
 
 
+def _cat_with_shapes(given: torch.Tensor, shapes: Any) -> torch.Tensor:
+    import ignite.distributed as idist
+
+    return torch.cat(idist.all_gather_tensors_with_shapes(given, shapes))  # proven: armed, the cat elided
+
+
+def ignite_programs(ctx: Any) -> Dict[str, Any]:
+    """Ignite's own ``all_gather_tensors_with_shapes``, taken over: plain rows, shapes that say fewer rows than
+    the tensor has (Ignite's negative padding crops it), shapes that are not whole numbers, a 0-d shape list,
+    a kept list, and a caller that concatenates at once."""
+    import ignite.distributed as idist
+
+    def program() -> Any:
+        given = _rows(ctx.rank)
+        shapes = [[3 + 2 * r, 2] for r in range(ctx.world)]
+        out = []
+        for case in (shapes, [[n - 1, 2] for n, _ in shapes], [[float(n), 2.0] for n, _ in shapes], shapes):
+            found = _guarded(lambda: idist.all_gather_tensors_with_shapes(given, case))
+            out.append(_seen(found))
+            out.append([type(t) is torch.Tensor for t in found] if isinstance(found, list) else None)
+        cat = _cat_with_shapes(given, shapes)
+        out.append((_seen(cat), torch._C._is_cow_tensor(cat)))
+        return out
+
+    found = _each_way(program, ["ignite"])
+    # The one difference: the proven cat returns a copy-on-write snapshot of the gathered tensor.
+    cow = [found["theirs"][-1][1], found["ours"][-1][1]]
+    found["same"] = found["theirs"][:-1] == found["ours"][:-1] and found["theirs"][-1][0] == found["ours"][-1][0]
+    found["cow"] = cow
+    return found
+
+
 def repatched_meanwhile(ctx: Any) -> Dict[str, Any]:
     """``memgather.patch()`` again, with the settings in force, from a thread while this one gathers through
     a helper: every call takes the same way on every rank."""
@@ -283,6 +315,29 @@ def test_a_program_sees_what_torch_gives(pools: Any, environment: Dict[str, str]
         assert len(got["taken"]) == 5, got["taken"]
     if label == "plain":
         assert got["unpadded"] == len(HELPERS), got
+
+
+@pytest.mark.parametrize("environment", [EAGER, DETAIL], ids=["eager", "detail"])
+def test_ignites_helper_taken_over_answers_as_its_own_code(pools: Any, environment: Dict[str, str]) -> None:
+    for rank, got in enumerate(unwrap(pools(2, **environment).run(ignite_programs))):
+        assert got["same"], (rank, got["theirs"], got["ours"])
+        assert got["taken"] == ["ignite.distributed.utils.all_gather_tensors_with_shapes"], got
+        assert got["unpadded"] == 3 and got["cow"] == [False, True], got  # the plain, kept and concatenated calls
+
+
+def test_ignites_helper_compiles_with_fullgraph_without_a_group() -> None:
+    """No process group: Ignite's serial model, traced as its own code (the trampoline is followed)."""
+    import ignite.distributed as idist
+    import torch._dynamo
+
+    def compiled() -> Any:
+        torch._dynamo.reset()
+        step = torch.compile(lambda x: torch.cat(idist.all_gather_tensors_with_shapes(x, [[3]])) * 2, fullgraph=True)
+        return _guarded(lambda: _seen(step(torch.ones(3))))
+
+    found = _each_way(compiled, ["ignite"])
+    assert found["same"] and "Error" not in repr(found["ours"]), found
+    assert found["taken"] == ["ignite.distributed.utils.all_gather_tensors_with_shapes"], found
 
 
 def test_a_thread_re_patching_meanwhile_leaves_every_call_on_one_way(pools: Any) -> None:

@@ -120,6 +120,17 @@ def _unpadded(
 _ROUTED = {"cpu": ("gloo",), "cuda": ("nccl",)}
 
 
+def _slices(out: torch.Tensor, rows: Sequence[int]) -> List[torch.Tensor]:
+    """Each rank's rows of ``out`` as a basic slice of it (as a library slices one gathered tensor; not
+    ``split``'s views, which autograd treats as outputs of one multi-output op)."""
+    parts = []
+    start = 0
+    for count in rows:
+        parts.append(out[start : start + count])
+        start += count
+    return parts
+
+
 def _own_slices(taken: _Taken, versions: Sequence[int]) -> List[torch.Tensor]:
     """Each rank's rows as the library's slices are: a view of a tensor of that rank's own (so that
     a write into one bumps no other's version, as with the library's separate slots), whose version
@@ -193,7 +204,7 @@ class _GatherAllTensors:
         result = call.argument("result")
         own_entry_is_input = call.options["own_entry_is_input"]
         if armed:
-            gathered = list(taken.out.split(taken.rows))
+            gathered = _slices(taken.out, taken.rows)
             elision.arm(gathered, taken.out, result if own_entry_is_input else None)
         else:
             gathered = _own_slices(taken, versions)
@@ -296,7 +307,7 @@ class _EvenlyDivisibleAllGather:
             return taken.out
         if through_ignite:  # slices of the one tensor Ignite's gather returns
             compat.set_version(taken.out, 0)
-            return list(taken.out.split(taken.rows))
+            return _slices(taken.out, taken.rows)
         return _own_slices(taken, versions)
 
 
@@ -333,7 +344,7 @@ class _AllGatherTensorsWithShapes:
             taken = _unpadded(tensor, group, padded_numel, given)
         if taken is None:
             return call.entry.original(*call.args, **call.kwargs)
-        parts = list(taken.out.split(taken.rows))
+        parts = _slices(taken.out, taken.rows)
         compat.set_version(taken.out, 0)  # as the tensor Ignite's gather concatenates
         if _caller_concatenates(call, tensor):
             elision.arm(parts, taken.out, None)
