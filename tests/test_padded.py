@@ -299,10 +299,15 @@ def test_the_two_rank_helpers_script_the_gpu_runs_passes_on_gloo() -> None:
 
 def test_doctor_reads_each_helpers_code_from_its_file_without_importing_it() -> None:
     _register()
-    states = dict(helpers.survey())
-    assert states[f"{torchmetrics_distributed.__name__}.gather_all_tensors"].startswith("recognised"), states
+    states = {**dict(helpers.survey()), **dict(helpers.survey(library_helpers.HELPERS))}
+    # Each copy as the shape of its release line, which the doctor names.
+    for copy, line in ((torchmetrics_distributed, "torchmetrics 1.9"), (torchmetrics_1_8, "torchmetrics 1.6.0 to 1.8.2"),
+                       (torchmetrics_1_5, "torchmetrics 1.0.0 to 1.5.2")):
+        assert states[f"{copy.__name__}.gather_all_tensors"].startswith(f"recognised ({line})"), states
     assert states[f"{monai_dist.__name__}.evenly_divisible_all_gather"].startswith("recognised"), states
-    assert states["ignite.distributed.utils.all_gather_tensors_with_shapes"] == "not installed", states
+    assert states["ignite.distributed.utils.all_gather_tensors_with_shapes"].startswith(
+        "recognised (PyTorch-Ignite 0.5.2 to 0.5.5)"), states  # the test extra installs Ignite
+    assert states["torchmetrics.utilities.distributed.gather_all_tensors"] == "not installed", states
     changed = helpers.Helper("changed", torchmetrics_distributed.__name__, "gather_all_tensors",
                              (helpers.Shape("0" * 32, "none"),), (), "memgather.patching.padded:gather_all_tensors")
     missing = dataclasses.replace(changed, key="missing", name="no_such_function")
