@@ -9,7 +9,6 @@ from importlib import metadata
 from pathlib import Path
 
 from integration.harness import compare, memory_growth, proof_verdicts
-from memgather import cow
 
 # Per rank, where the job's (integration/job_lightning.py) all_gather calls come from; "big" is
 # above gloo's 2 MiB rewiring threshold (3 MiB of float32 per rank), the rest are small.
@@ -30,10 +29,6 @@ TRAINER_BIG, TRAINER_SMALL, TRAINER_SYNC_GRADS_SMALL = 2, 6, 4
 # (0-d). The shapes it gathers first, gather_all_tensors being taken over, memgather exchanges
 # through torch directly: not counted.
 METRICS_BIG, METRICS_SMALL = 2, 4
-# Of those, the gathers of _simple_gather_all_tensors (it returns its list, its own rank's entry the
-# input): per validation epoch CatMetric's state (big), and MeanSquaredError's two (small). Where the
-# cat's result is copy-on-write they are rebound and Metric._sync_dist's cat / stack of them elided.
-METRICS_RETURNED_SMALL = 4
 # TorchCollective.all_gather of each namespace, on the default group and on one it created: big.
 COLLECTIVE_BIG = 2
 
@@ -48,8 +43,7 @@ class Expected:
     ddp_small: int
     sync_grads_big: int
     sync_grads_small: int
-    metrics_big: int  # torchmetrics' big gathers: a returned list (rebound and elided on the CPU)
-    metrics_returned_small: int  # its small gathers of a returned list
+    metrics_big: int  # torchmetrics' big gathers: a returned list, filled where it lies
 
 
 def _expected(trainers: int) -> Expected:
@@ -57,7 +51,7 @@ def _expected(trainers: int) -> Expected:
     metrics_big, metrics_small = trainers * METRICS_BIG, trainers * METRICS_SMALL
     big = ddp_big + 2 * COLLECTIVE_BIG + metrics_big
     return Expected(big + ddp_small + metrics_small, big, ddp_big, ddp_small, 2 * FABRIC_SYNC_GRADS_BIG,
-                    trainers * TRAINER_SYNC_GRADS_SMALL, metrics_big, trainers * METRICS_RETURNED_SMALL)
+                    trainers * TRAINER_SYNC_GRADS_SMALL, metrics_big)
 
 
 def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
@@ -89,12 +83,11 @@ def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
     # to hand its fresh slots on whole), so its calls are rebound and the stack returns
     # memgather's buffer, except where the slots leave the Function with history (sync_grads=True:
     # elision steps aside and torch.stack copies). TorchCollective's (the caller's own list) is filled
-    # in place; torchmetrics' returned list is rebound and its cat elided where the result is
-    # copy-on-write (else filled in place). The small ones are left to torch.
+    # in place; so is torchmetrics' returned list, which goes to Metric._sync_dist, whose code
+    # flattens list states before it concatenates them (never armed). The small ones are left to torch.
     expected = _expected(len(trainers))
-    metrics = (expected.metrics_big, expected.metrics_returned_small) if cow.works() else (0, 0)
     for report in runs["memgather"].reports.values():
-        rebound = expected.ddp_big + metrics[0]
+        rebound = expected.ddp_big
         assert report.calls == expected.calls and report.rewired == expected.big, report.line
         assert report.strategies == {"rebind": rebound, "in_slots": expected.big - rebound,
                                      "fallback": expected.calls - expected.big}, report.line
@@ -105,7 +98,7 @@ def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
     # Verify mode: no threshold, every call rewired and checked against torch.
     for report in runs["verify"].reports.values():
         ddp = expected.ddp_big + expected.ddp_small
-        rebound = ddp + sum(metrics)
+        rebound = ddp
         assert report.calls == report.rewired == report.verified == expected.calls, report.line
         assert report.strategies == {"rebind": rebound, "in_slots": expected.calls - rebound}, report.line
         assert report.elided == rebound - expected.sync_grads_big - expected.sync_grads_small, report.line

@@ -255,12 +255,23 @@ def describe(t: Any, values: bool = False) -> Any:
         return repr(t)
     plain = type(t) is torch.Tensor or type(t).__module__.startswith("memgather")
     seen = (plain, type(t).__name__ if not plain else "Tensor", str(t.dtype), tuple(t.shape), t.stride(),
-            t.requires_grad, type(t.grad_fn).__name__ if t.grad_fn is not None else None, t.is_leaf, t._version)
+            t.requires_grad, _grad_fn(t), t.is_leaf, t._version)
     if values:
         copy = t.detach().reshape(-1).clone(memory_format=torch.contiguous_format)
         raw = copy.view(torch.uint8) if copy.numel() else copy
         seen += (hashlib.sha256(raw.numpy().tobytes() if copy.numel() else b"").hexdigest()[:16],)
     return seen
+
+
+def _grad_fn(t: torch.Tensor) -> Any:
+    """The name of ``t``'s ``grad_fn``, or the error reading it raises: reading it regenerates a view's
+    history after an in-place write into its base, which torch refuses for some views (an output of a
+    multi-output op such as ``split``, a view made under no_grad) under torch and memgather alike."""
+    try:
+        grad_fn = t.grad_fn
+    except RuntimeError as error:
+        return f"raises: {_message(error)}"
+    return type(grad_fn).__name__ if grad_fn is not None else None
 
 
 def _overlapping(run: _Run, name: str) -> List[str]:
