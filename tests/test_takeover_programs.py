@@ -23,7 +23,7 @@ import memgather
 from memgather.patching import helpers
 from tests.conftest import EAGER, unwrap
 from tests.library_code import lightning_distributed, monai_dist, torchmetrics_1_8, torchmetrics_distributed
-from tests.ranks import as_bytes
+from tests.ranks import as_bytes, group_for
 from tests.test_padded import _register
 
 DETAIL = {**EAGER, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -234,6 +234,14 @@ def ignite_programs(ctx: Any) -> Dict[str, Any]:
             found = _guarded(lambda: idist.all_gather_tensors_with_shapes(given, case))
             out.append(_seen(found))
             out.append([type(t) is torch.Tensor for t in found] if isinstance(found, list) else None)
+        # A group given as its ranks (Ignite makes it), and a group without this rank (Ignite hands the tensor back).
+        out.append(_seen(idist.all_gather_tensors_with_shapes(given, shapes, group=list(range(ctx.world)))))
+        alone = group_for((0,))
+        out.append(_seen(idist.all_gather_tensors_with_shapes(given, shapes[:1], group=alone)))
+        # Shapes of bools: Ignite's own code refuses them (a bool tensor's subtraction), where one row of
+        # one column would otherwise read as a whole shape.
+        single = torch.ones(1, 1) * ctx.rank
+        out.append(_guarded(lambda: _seen(idist.all_gather_tensors_with_shapes(single, [[True, True]] * ctx.world))))
         cat = _cat_with_shapes(given, shapes)
         out.append((_seen(cat), torch._C._is_cow_tensor(cat)))
         return out
@@ -243,6 +251,28 @@ def ignite_programs(ctx: Any) -> Dict[str, Any]:
     cow = [found["theirs"][-1][1], found["ours"][-1][1]]
     found["same"] = found["theirs"][:-1] == found["ours"][:-1] and found["theirs"][-1][0] == found["ours"][-1][0]
     found["cow"] = cow
+    return found
+
+
+def refused_list_index(ctx: Any) -> Dict[str, Any]:
+    """On a torch that refused a list of slices as an index (torch 2.x warns that it will), the releases
+    whose code slices so (torchmetrics 1.0 to 1.8, Lightning) keep their own way, which meets the refusal
+    as the library does; torchmetrics 1.9's tuple index is taken over as before."""
+    from memgather.patching import padded
+
+    probed = list(padded._probed)
+    padded._probed[:] = [None]  # as the probe finds it on such a torch
+    try:
+        found = _each_way(lambda: [_seen(HELPERS[name](_rows(ctx.rank))) for name in ("torchmetrics 1.8", "lightning")])
+        memgather.patch(["tests.library_code"])
+        try:
+            memgather.reset_stats()
+            torchmetrics_distributed.gather_all_tensors(_rows(ctx.rank))
+            found["tuple index taken over"] = memgather.stats().by_strategy.get("unpadded", 0)
+        finally:
+            memgather.unpatch()
+    finally:
+        padded._probed[:] = probed
     return found
 
 
@@ -322,7 +352,9 @@ def test_ignites_helper_taken_over_answers_as_its_own_code(pools: Any, environme
     for rank, got in enumerate(unwrap(pools(2, **environment).run(ignite_programs))):
         assert got["same"], (rank, got["theirs"], got["ours"])
         assert got["taken"] == ["ignite.distributed.utils.all_gather_tensors_with_shapes"], got
-        assert got["unpadded"] == 3 and got["cow"] == [False, True], got  # the plain, kept and concatenated calls
+        # The plain, kept and concatenated calls, and rank 0's in a group of its own (a group given as ranks
+        # is left to Ignite's code; rank 1, outside the group, gets its tensor back from Ignite).
+        assert got["unpadded"] == (4 if rank == 0 else 3) and got["cow"] == [False, True], (rank, got)
 
 
 def test_ignites_helper_compiles_with_fullgraph_without_a_group() -> None:
@@ -338,6 +370,12 @@ def test_ignites_helper_compiles_with_fullgraph_without_a_group() -> None:
     found = _each_way(compiled, ["ignite"])
     assert found["same"] and "Error" not in repr(found["ours"]), found
     assert found["taken"] == ["ignite.distributed.utils.all_gather_tensors_with_shapes"], found
+
+
+def test_a_list_index_this_torch_refuses_keeps_the_librarys_own_way(pools: Any) -> None:
+    for got in unwrap(pools(2, **EAGER).run(refused_list_index)):
+        assert got["same"] and got["unpadded"] == 0, got
+        assert got["tuple index taken over"] == 1, got
 
 
 def test_a_thread_re_patching_meanwhile_leaves_every_call_on_one_way(pools: Any) -> None:

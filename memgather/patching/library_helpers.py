@@ -9,7 +9,6 @@ helper is taken over: ``memgather doctor`` reads this without loading memgather'
 
 from __future__ import annotations
 
-import itertools
 import types
 from typing import Any, Callable
 
@@ -67,15 +66,7 @@ HELPERS = (
         "ignite.distributed.utils",
         "all_gather_tensors_with_shapes",
         (helpers.Shape("45ec3f3fc1c04e13a1704ca6c4f3ca69", "PyTorch-Ignite 0.5.2 to 0.5.5"),),
-        (
-            ("torch", _is(torch)),
-            ("itertools", _is(itertools)),
-            ("_need_to_sync", lambda value: isinstance(value, bool)),
-            ("_SerialModel", lambda value: isinstance(value, type)),
-            ("_model", lambda value: True),
-            ("sync", callable),
-            ("_rank_not_in_group", callable),
-        ),
+        (("_model", lambda value: True), ("_rank_not_in_group", callable)),  # what the takeover reads
         "memgather.patching.padded:all_gather_tensors_with_shapes",
     ),
     *(

@@ -329,9 +329,8 @@ class _AllGatherTensorsWithShapes:
         tensor, shapes, group = call.argument("tensor"), call.argument("shapes"), call.argument("group")
         model = namespace["_model"]
         if (
-            (namespace["_need_to_sync"] and isinstance(model, namespace["_SerialModel"]))
-            or isinstance(group, list)
-            or getattr(model, "name", None) != "native-dist"
+            isinstance(group, list)
+            or getattr(model, "name", None) != "native-dist"  # (before its first sync: Ignite's serial model)
             or not isinstance(tensor, torch.Tensor)
             or namespace["_rank_not_in_group"](group)
         ):
