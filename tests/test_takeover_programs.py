@@ -276,6 +276,25 @@ def refused_list_index(ctx: Any) -> Dict[str, Any]:
     return found
 
 
+def mocked_in_a_group(ctx: Any) -> Dict[str, Any]:
+    """A test's mock of ``torch.distributed.all_gather`` inside a real group: Ignite's code gathers through the
+    mock (its fake values), and memgather, which sees it, leaves the whole call to Ignite."""
+    import ignite.distributed as idist
+
+    def fake(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> None:
+        for slot in tensor_list:
+            slot.fill_(7)
+
+    shapes = [[3 + 2 * r, 2] for r in range(ctx.world)]
+    idist.all_gather_tensors_with_shapes(_rows(ctx.rank), shapes)  # Ignite's first call: its model set up
+
+    def program() -> Any:
+        with unittest.mock.patch.object(dist, "all_gather", side_effect=fake):
+            return _guarded(lambda: _seen(idist.all_gather_tensors_with_shapes(_rows(ctx.rank), shapes)))
+
+    return _each_way(program, ["ignite"])
+
+
 def repatched_meanwhile(ctx: Any) -> Dict[str, Any]:
     """``memgather.patch()`` again, with the settings in force, from a thread while this one gathers through
     a helper: every call takes the same way on every rank."""
@@ -376,6 +395,11 @@ def test_a_list_index_this_torch_refuses_keeps_the_librarys_own_way(pools: Any) 
     for got in unwrap(pools(2, **EAGER).run(refused_list_index)):
         assert got["same"] and got["unpadded"] == 0, got
         assert got["tuple index taken over"] == 1, got
+
+
+def test_a_mock_inside_a_real_group_gets_the_librarys_code(pools: Any) -> None:
+    for got in unwrap(pools(2, **EAGER).run(mocked_in_a_group)):
+        assert got["same"] and got["unpadded"] == 0, got
 
 
 def test_a_thread_re_patching_meanwhile_leaves_every_call_on_one_way(pools: Any) -> None:

@@ -1,0 +1,99 @@
+"""Faults in the rules of the helpers' takeover, one at a time: which of them no test holds.
+
+    .venv/bin/python -m tests.takeover_faults [LABEL ...]      (about 15 minutes on 2 cores)
+
+Each fault changes one rule of ``memgather/patching/padded.py`` or ``helpers.py`` (the rules that
+decide soundness: each rank's verdict on its input, what every rank reads alike, where the
+library keeps its own way, the entries' versions and views, the re-issued warning, the graph
+break under compile, a re-patch). It is applied to a copy of the working tree, and the
+differential tests of ``tests/test_padded.py`` and ``tests/test_takeover_programs.py`` run
+against that copy on real gloo ranks. A fault those tests let pass is a rule no test holds
+(docs/calls.md lists the one left, and why it cannot change what a call does).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = [
+    "tests/test_padded.py::test_taken_over_helpers_answer_as_the_libraries_own_code",
+    "tests/test_padded.py::test_ranks_that_differ_where_the_library_allows_take_one_way",
+    "tests/test_takeover_programs.py",
+]
+# (module, label, the text of the rule, what the fault puts in its place)
+FAULTS: List[Tuple[str, str, str, str]] = [
+    ("padded", "conjugate-bit", "        and not tensor.is_conj()\n", ""),
+    ("padded", "transforms",
+     "    if compat.functorch_active() or compat.forward_ad_active() or compat.functorch_wrapped(tensor):\n"
+     "        return False\n", ""),
+    ("padded", "modes", "    if compat.dispatch_mode_active() or compat.function_mode_active():\n        return False\n", ""),
+    ("padded", "every-rank-ok", "        all(t.ok and t.context == first.context for t in table)",
+     "        first.ok and all(t.context == first.context for t in table)"),
+    ("padded", "rows-read-alike", "        and [t.rows for t in table] == [shape[0] if shape else -1 for shape in shapes]\n", ""),
+    ("padded", "equal-shapes", "        if len(set(shapes)) == 1 or any(", "        if any("),
+    ("padded", "slot-versions", "        versions = [size._version for size in exchanged]",
+     "        versions = [0 for size in exchanged]"),
+    ("padded", "entry-views", "            parts.append(base[:rows])", "            parts.append(base)"),
+    ("helpers", "initialised-group", "    if not (dist.is_available() and dist.is_initialized()):\n        return False\n", ""),
+    ("helpers", "graph-break",
+     "    if torch.distributed.is_available() and torch.distributed.is_initialized():\n"
+     "        return _run_eagerly()(entry, args, kwargs, None)\n", ""),
+    ("helpers", "re-patch", "        for key, entry in list(_installed.items()):\n            if not selected(entry.helper.module):",
+     "        for key, entry in list(_installed.items()):\n            if True:"),
+    ("padded", "whole-numbers",
+     "    if not all(isinstance(d, int) and not isinstance(d, bool) for shape in given for d in shape):",
+     "    if not all(isinstance(d, int) for shape in given for d in shape):"),
+    ("padded", "group-of-ranks", "            isinstance(group, list)\n            or getattr", "            False\n            or getattr"),
+    ("padded", "rank-outside-group", "            or namespace[\"_rank_not_in_group\"](group)\n", ""),
+    ("padded", "re-issued-warning", "            _warn_as_the_library(call, len(gathered))", "            pass"),
+    ("padded", "monai-0-d", "ok=ndims > 0 and same_device", "ok=same_device"),
+    ("padded", "cat-version", "            compat.set_version(taken.out, 0)  # torch.cat's result, as the library's\n", ""),
+    ("padded", "refused-list-index",
+     "        if call.options[\"list_index\"] and _list_index_warnings() is None:\n            return None",
+     "        if False:\n            return None"),
+    ("padded", "own-entry", "        if own_entry_is_input:  # \"to propagate autograd graph from local rank\"\n            gathered[",
+     "        if False:\n            gathered["),
+    ("helpers", "mocks", "    return not any(_is_mock(getattr(dist, name, None)) for name in (\"all_gather\", \"barrier\", \"get_world_size\"))",
+     "    return True"),
+    ("padded", "caller-proven", "    return call.caller is not None and sites.received(call.caller, call.frame).proven",
+     "    return call.caller is not None"),
+]
+
+
+def run(labels: List[str]) -> List[Tuple[str, bool]]:
+    outcomes = []
+    for module, label, rule, fault in FAULTS:
+        if labels and label not in labels:
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            tree = Path(folder) / "tree"
+            shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".tox", ".venv", ".git", "__pycache__", ".hypothesis"))
+            path = tree / "memgather" / "patching" / f"{module}.py"
+            text = path.read_text()
+            if text.count(rule) != 1:
+                print(f"{label}: its rule is not in {module}.py as written here (found {text.count(rule)} times)")
+                outcomes.append((label, False))
+                continue
+            path.write_text(text.replace(rule, fault))
+            started = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+                                  cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True,
+                                  timeout=900)
+            held = done.returncode != 0
+            print(f"{label}: {'held (a test fails)' if held else 'NOT HELD'} in {time.monotonic() - started:.0f} s",
+                  flush=True)
+            outcomes.append((label, held))
+    return outcomes
+
+
+if __name__ == "__main__":
+    results = run(sys.argv[1:])
+    print(f"{sum(held for _, held in results)} of {len(results)} faults held by a test")
