@@ -204,6 +204,51 @@ def warnings_seen(ctx: Any) -> Dict[str, Any]:
     return _each_way(program)
 
 
+def under_inference_mode(ctx: Any) -> Dict[str, Any]:
+    """Each helper under ``torch.inference_mode()`` (Lightning runs its validation and test loops, metrics'
+    ``compute()`` included, so): inference tensors have no version counter."""
+
+    def program() -> Any:
+        out = []
+        for helper in HELPERS.values():
+            with torch.inference_mode():
+                found = _guarded(lambda: helper(_rows(ctx.rank)))
+            parts = found if isinstance(found, list) else [found]
+            out.append([(_seen_plain(p), p.is_inference()) if isinstance(p, torch.Tensor) else p for p in parts])
+        return out
+
+    return _each_way(program)
+
+
+def _seen_plain(value: torch.Tensor) -> Any:
+    """``_seen`` without the version, which an inference tensor does not have."""
+    return (type(value).__name__, as_bytes(value), value.dtype, tuple(value.shape), value.stride(), value.requires_grad)
+
+
+def wrapped_after_patch(ctx: Any) -> Dict[str, Any]:
+    """A wrapper of the user's around ``torch.distributed.all_gather``, installed after ``patch()``, that does
+    something after each call: it sees every call finish, as under torch (memgather keeps the library's way)."""
+
+    def program() -> Any:
+        seen: List[Any] = []
+        underneath = dist.all_gather
+
+        def wrapper(tensor_list: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(("start", tuple(tensor.shape)))
+            done = underneath(tensor_list, tensor, *args, **kwargs)
+            seen.append(("end", tuple(tensor.shape)))
+            return done
+
+        dist.all_gather = wrapper
+        try:
+            results = [_seen(HELPERS[name](_rows(ctx.rank))) for name in ("torchmetrics", "lightning", "monai")]
+        finally:
+            dist.all_gather = underneath
+        return results, seen
+
+    return _each_way(program)
+
+
 def kept_lists(ctx: Any) -> Dict[str, Any]:
     """A caller that keeps the returned lists: every entry a plain ``torch.Tensor``, on every call."""
 
@@ -238,6 +283,15 @@ def ignite_programs(ctx: Any) -> Dict[str, Any]:
         out.append(_seen(idist.all_gather_tensors_with_shapes(given, shapes, group=list(range(ctx.world)))))
         alone = group_for((0,))
         out.append(_seen(idist.all_gather_tensors_with_shapes(given, shapes[:1], group=alone)))
+        # Shapes Ignite cannot read as a tensor (a generator, a map), a group that is none: its own errors.
+        out.append(_guarded(lambda: idist.all_gather_tensors_with_shapes(given, (shape for shape in shapes))))
+        out.append(_guarded(lambda: idist.all_gather_tensors_with_shapes(given, map(list, shapes))))
+        out.append(_guarded(lambda: idist.all_gather_tensors_with_shapes(given, shapes, group="abc")))
+        # Its own warnings (it slices with a list of slices), with the file and line they are attributed to.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            idist.all_gather_tensors_with_shapes(given, shapes)
+        out.append([(w.category.__name__, str(w.message)[:60], w.filename, w.lineno) for w in caught])
         # Shapes of bools: Ignite's own code refuses them (a bool tensor's subtraction), where one row of
         # one column would otherwise read as a whole shape.
         single = torch.ones(1, 1) * ctx.rank
@@ -352,6 +406,8 @@ PROGRAMS = [
     ("write then backward", versions_then_backward, ()),
     ("warnings", warnings_seen, ()),
     ("kept lists", kept_lists, ()),
+    ("inference mode", under_inference_mode, ()),
+    ("a wrapper installed after patch()", wrapped_after_patch, ()),
 ]
 
 
@@ -371,9 +427,9 @@ def test_ignites_helper_taken_over_answers_as_its_own_code(pools: Any, environme
     for rank, got in enumerate(unwrap(pools(2, **environment).run(ignite_programs))):
         assert got["same"], (rank, got["theirs"], got["ours"])
         assert got["taken"] == ["ignite.distributed.utils.all_gather_tensors_with_shapes"], got
-        # The plain, kept and concatenated calls, and rank 0's in a group of its own (a group given as ranks
+        # The plain, kept, warned and concatenated calls, and rank 0's in a group of its own (a group given as ranks
         # is left to Ignite's code; rank 1, outside the group, gets its tensor back from Ignite).
-        assert got["unpadded"] == (4 if rank == 0 else 3) and got["cow"] == [False, True], (rank, got)
+        assert got["unpadded"] == (5 if rank == 0 else 4) and got["cow"] == [False, True], (rank, got)
 
 
 def test_ignites_helper_compiles_with_fullgraph_without_a_group() -> None:

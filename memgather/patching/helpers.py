@@ -61,6 +61,7 @@ import torch
 import wrapt
 
 from memgather import compat
+from memgather.frames import passed_through, under
 from memgather.patching import scope
 
 _log = logging.getLogger("memgather")
@@ -128,13 +129,17 @@ class _Installed:
 class Call:
     """One call of a taken-over helper: its arguments as the library's signature binds them."""
 
-    __slots__ = ("entry", "args", "kwargs", "frame", "_bound")
+    __slots__ = ("entry", "args", "kwargs", "frame", "unwinds_cleanly", "_bound")
 
     def __init__(self, entry: _Installed, args: Tuple[Any, ...], kwargs: Dict[str, Any], frame: Any) -> None:
         self.entry = entry
         self.args = args
         self.kwargs = kwargs
         self.frame = frame  # the helper's own frame (its trampoline's), None under torch.compile
+        # Whether ``TakeOver`` would leave through the library's and memgather's frames alone: a wrapper
+        # of the user's around all_gather, installed after patch(), would have the rest of its code
+        # skipped (a timer, a log, a flag it resets after the call). This rank's verdict says so.
+        self.unwinds_cleanly = True
         self._bound: Optional[Dict[str, Any]] = None
 
     @property
@@ -181,32 +186,45 @@ class Flight:
         self.call = call
         self.awaiting = True
 
-    def site(self, frame: Any) -> Optional[Exchange]:
+    def site(self, frame: Any) -> Optional[Tuple[Exchange, bool]]:
         """The exchange the list all_gather made from ``frame`` (memgather's wrapper's caller) is, where
-        it is one: the nearest frame up the stack that runs the helper's code must be at an exchange's
-        line (a wrapper of the user's around all_gather, or Ignite's own all_gather, may sit between)."""
+        it is one, and whether only the library's own frames lie between (``Call.unwinds_cleanly``): the
+        nearest frame up the stack that runs the helper's code must be at an exchange's line (a wrapper
+        of the user's around all_gather, or Ignite's own all_gather, may sit between)."""
         codes = self.call.entry.sites
+        between: List[str] = []
         for _ in range(_MAX_WALK):
             if frame is None:
                 return None
             found = codes.get((frame.f_code, frame.f_lineno))
             if found is not None:
-                return found
+                return found, all(_passed(module, found) for module in between)
             if frame.f_code is self.call.entry.code or any(code is frame.f_code for code, _ in codes):
                 return None  # the helper's code, elsewhere than at an exchange
+            between.append(frame.f_globals.get("__name__", ""))
             frame = frame.f_back
         return None
 
-    def exchanged(self, site: Exchange, wrapped: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def exchanged(self, site: Tuple[Exchange, bool], wrapped: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """Make the library's exchange as it asked (``wrapped``: what memgather's wrapper wraps), then let
         the takeover decide from what every rank now holds; raise ``TakeOver`` where it takes over."""
         self.awaiting = False
+        exchange, self.call.unwinds_cleanly = site
         done = wrapped(*args, **kwargs)
         tensor_list = args[0] if args else kwargs.get("tensor_list")
-        plan = self.call.entry.takeover.decide(self.call, site, tensor_list)
+        plan = self.call.entry.takeover.decide(self.call, exchange, tensor_list)
         if plan is not None:
             raise TakeOver(self, plan)
         return done
+
+
+def _passed(module: str, exchange: Exchange) -> bool:
+    """Whether a frame of ``module`` between memgather's wrapper and the helper's exchange is plumbing that
+    holds nothing after the call: wrapt's, memgather's, torch.distributed's, and for MONAI's exchange
+    through Ignite, Ignite's own ``idist.all_gather``."""
+    if passed_through(module):
+        return True
+    return exchange.nested == "_ignite_all_gather" and under(module, ("ignite.distributed",))
 
 
 _flight: contextvars.ContextVar[Optional[Flight]] = contextvars.ContextVar("memgather_helper_flight", default=None)

@@ -120,6 +120,12 @@ def _unpadded(
 _ROUTED = {"cpu": ("gloo",), "cuda": ("nccl",)}
 
 
+def _version(tensor: torch.Tensor) -> Optional[int]:
+    """``tensor``'s version (None for an inference tensor, which has none: under ``torch.inference_mode``
+    the library's slots and memgather's tensors alike)."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def _slices(out: torch.Tensor, rows: Sequence[int]) -> List[torch.Tensor]:
     """Each rank's rows of ``out`` as a basic slice of it (as a library slices one gathered tensor; not
     ``split``'s views, which autograd treats as outputs of one multi-output op)."""
@@ -131,7 +137,7 @@ def _slices(out: torch.Tensor, rows: Sequence[int]) -> List[torch.Tensor]:
     return parts
 
 
-def _own_slices(taken: _Taken, versions: Sequence[int]) -> List[torch.Tensor]:
+def _own_slices(taken: _Taken, versions: Sequence[Optional[int]]) -> List[torch.Tensor]:
     """Each rank's rows as the library's slices are: a view of a tensor of that rank's own (so that
     a write into one bumps no other's version, as with the library's separate slots), whose version
     is the library's slot's after its gather (``versions``)."""
@@ -146,7 +152,8 @@ def _own_slices(taken: _Taken, versions: Sequence[int]) -> List[torch.Tensor]:
             shape = (rows, *trailing)
             base = out.new_empty((0,)).set_(storage, offset, shape, slots.contiguous_strides(shape))
             offset += rows * step
-            compat.set_version(base, version)
+            if version is not None:
+                compat.set_version(base, version)
             parts.append(base[:rows])
     return parts
 
@@ -189,14 +196,16 @@ class _GatherAllTensors:
             return None  # equal (its simple gather), or differing past dim 0 (its padded slices' strides)
         padded_numel = max(shape[0] for shape in shapes) * math.prod(shapes[0][1:])
         # The library's slots are zeros_like(...) gathered into, as its size slots were: their versions.
-        versions = [size._version for size in exchanged]
+        versions = [_version(size) for size in exchanged]
         own_entry_is_input = call.options["own_entry_is_input"]
         if call.options["list_index"] and _list_index_warnings() is None:
             return None  # this torch refuses its slices' list index: its own code raises as it does
         armed = _caller_concatenates(call, result)
         # torchmetrics puts the input in its own rank's place: the tensor keeps those rows only for a
         # cat to return it whole; where no cat is proven, it holds the other ranks' rows alone.
-        taken = _unpadded(result, group, padded_numel, shapes, own_rows=armed or not own_entry_is_input)
+        taken = _unpadded(
+            result, group, padded_numel, shapes, ok=call.unwinds_cleanly, own_rows=armed or not own_entry_is_input
+        )
         return None if taken is None else (taken, versions, armed)
 
     def finish(self, call: helpers.Call, plan: Any) -> List[torch.Tensor]:
@@ -257,6 +266,16 @@ def _warn_as_the_library(call: helpers.Call, slices: int) -> None:
 _lines: Dict[Any, Optional[int]] = {}
 
 
+def _list_of_slices(index: ast.expr) -> bool:
+    """An index the libraries build as a list of slices: torchmetrics' and Lightning's ``[slice_param]``,
+    Ignite's ``[[slice(...) for ...]]``."""
+    if isinstance(index, ast.Name):
+        return index.id == "slice_param"
+    if not (isinstance(index, ast.ListComp) and isinstance(index.elt, ast.Call)):
+        return False
+    return isinstance(index.elt.func, ast.Name) and index.elt.func.id == "slice"
+
+
 def _list_index_line(function: Any) -> Optional[int]:
     """The line of ``function``'s file where it slices with its list of slices (``x[slice_param]``)."""
     code = function.__code__
@@ -267,9 +286,7 @@ def _list_index_line(function: Any) -> Optional[int]:
             found = [
                 code.co_firstlineno + node.lineno - tree.lineno
                 for node in ast.walk(tree)
-                if isinstance(node, ast.Subscript)
-                and isinstance(node.slice, ast.Name)
-                and node.slice.id == "slice_param"
+                if isinstance(node, ast.Subscript) and _list_of_slices(node.slice)
             ]
         _lines[code] = found[0] if len(found) == 1 else None
     return _lines[code]
@@ -288,7 +305,7 @@ class _EvenlyDivisibleAllGather:
             lengths = [int(length.item()) for length in exchanged]
         ndims = data.ndimension()
         # Ignite's lengths come back as one tensor's slices (their versions its); torch's from slots.
-        versions = [0 if through_ignite else length._version for length in exchanged]
+        versions = [0 if through_ignite else _version(length) for length in exchanged]
         same_device = through_ignite or data.device == torch.device(call.namespace["get_dist_device"]())
         trailing = tuple(data.shape[1:])
         taken = _unpadded(
@@ -296,7 +313,7 @@ class _EvenlyDivisibleAllGather:
             None,
             max(lengths) * math.prod(trailing),
             [(n, *trailing) for n in lengths],
-            ok=ndims > 0 and same_device,
+            ok=ndims > 0 and same_device and call.unwinds_cleanly,
         )
         return None if taken is None else (taken, versions, through_ignite)
 
@@ -329,7 +346,7 @@ class _AllGatherTensorsWithShapes:
         tensor, shapes, group = call.argument("tensor"), call.argument("shapes"), call.argument("group")
         model = namespace["_model"]
         if (
-            isinstance(group, list)
+            not (group is None or isinstance(group, torch.distributed.ProcessGroup))  # (ranks: Ignite makes a group)
             or getattr(model, "name", None) != "native-dist"  # (before its first sync: Ignite's serial model)
             or not isinstance(tensor, torch.Tensor)
             or namespace["_rank_not_in_group"](group)
@@ -338,7 +355,7 @@ class _AllGatherTensorsWithShapes:
         given = _whole_shapes(shapes)
         # Ignite pads to the largest of the shapes it is given: the same on every rank where its gather works.
         taken = None
-        if given:
+        if given and _list_index_warnings() is not None:  # (a torch that refuses its list index: its own way)
             padded_numel = math.prod(max(dims) for dims in zip(*given))
             taken = _unpadded(tensor, group, padded_numel, given)
         if taken is None:
@@ -347,16 +364,17 @@ class _AllGatherTensorsWithShapes:
         compat.set_version(taken.out, 0)  # as the tensor Ignite's gather concatenates
         if _caller_concatenates(call, tensor):
             elision.arm(parts, taken.out, None)
+        _warn_as_the_library(call, len(parts))  # Ignite slices with a list of slices too
         return parts
 
 
 def _whole_shapes(shapes: Any) -> List[Any]:
     """``shapes`` as tuples of ints, one per rank, all of one length (else []: Ignite's own code then
-    pads, or raises, as it does)."""
-    try:
-        given = [tuple(shape) for shape in shapes]
-    except TypeError:
+    pads, or raises, as it does). Only a list or tuple of lists, tuples or sizes is read: an iterator
+    read here would reach Ignite's code spent."""
+    if type(shapes) not in (list, tuple) or not all(type(shape) in (list, tuple, torch.Size) for shape in shapes):
         return []
+    given = [tuple(shape) for shape in shapes]
     if not given or len({len(shape) for shape in given}) != 1 or not given[0]:
         return []
     if not all(isinstance(d, int) and not isinstance(d, bool) for shape in given for d in shape):
