@@ -63,6 +63,15 @@ FAULTS: List[Tuple[str, str, str, str]] = [
      "        if False:\n            gathered["),
     ("helpers", "mocks", "    return not any(_is_mock(getattr(dist, name, None)) for name in (\"all_gather\", \"barrier\", \"get_world_size\"))",
      "    return True"),
+    ("padded", "inference-versions", "    return None if tensor.is_inference() else tensor._version", "    return tensor._version"),
+    ("padded", "unwinds-cleanly", "ok=call.unwinds_cleanly, ", ""),
+    ("padded", "shapes-read-once",
+     "    if type(shapes) not in (list, tuple) or not all(type(shape) in (list, tuple, torch.Size) for shape in shapes):\n"
+     "        return []\n", ""),
+    ("padded", "ignite-group",
+     "            not (group is None or isinstance(group, torch.distributed.ProcessGroup))",
+     "            isinstance(group, list)"),
+    ("padded", "ignite-warning", "        _warn_as_the_library(call, len(parts))", "        pass"),
     ("padded", "caller-proven", "    return call.caller is not None and sites.received(call.caller, call.frame).proven",
      "    return call.caller is not None"),
 ]

@@ -562,9 +562,27 @@ def refused_through_a_cache(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.T
 
 
 # Read by the static proof as written, decided at the gather by what runs.
-def accepted_returned_with_own_input(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _simple_gather(result: torch.Tensor, world_size: int) -> List[torch.Tensor]:
     """torchmetrics' _simple_gather_all_tensors: the list returned with this rank's entry replaced by
-    the input itself; the caller concatenates it two frames up (copy-on-write results only)."""
+    the input itself (copy-on-write results only)."""
+    with torch.no_grad():
+        gathered_result = [torch.zeros_like(result) for _ in range(world_size)]
+        torch.distributed.all_gather(gathered_result, result)
+    gathered_result[torch.distributed.get_rank()] = result
+    return gathered_result
+
+
+def accepted_returned_with_own_input(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """torchmetrics' returned list, handed straight to one cat by its caller (module-level code, which
+    the proof follows; a nested function's call is not resolved)."""
+    result = torch.cat(_simple_gather(tensor, dist.get_world_size()), dim=0)
+    result.add_(1)  # a write into the result: the slots and the input must not see it
+    return result, tensor
+
+
+def refused_returned_then_flattened(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """As torchmetrics' metric sync does it: the returned list flattened into another list before the cat.
+    The caller's code does not hand the list straight to a cat, so it is never armed."""
 
     def _simple_gather(result: torch.Tensor, world_size: int) -> List[torch.Tensor]:
         with torch.no_grad():
@@ -577,7 +595,7 @@ def accepted_returned_with_own_input(tensor: torch.Tensor) -> Tuple[torch.Tensor
         return [item for sublist in lists for item in sublist]
 
     result = torch.cat(flatten([_simple_gather(tensor, dist.get_world_size())]), dim=0)
-    result.add_(1)  # a write into the result: the slots and the input must not see it
+    result.add_(1)
     return result, tensor
 
 
@@ -632,7 +650,8 @@ COPY_ON_WRITE_ONLY = {
     "refused_augmented_after",
     "refused_annotation_after",
     "accepted_returned_with_own_input",  # (the case; its helper's call site below)
-    "accepted_returned_with_own_input.<locals>._simple_gather",
+    "_simple_gather",
+    "refused_returned_then_flattened.<locals>._simple_gather",  # (its gatherer returns the list, as above)
     "refused_returned_then_input_written.<locals>._simple_gather",  # (the input's bytes differ at the cat)
 }
 _snapshot = locals
