@@ -14,7 +14,6 @@ from typing import Dict, List
 
 import pytest
 
-from memgather import cow
 from memgather.tools import patterns
 from tests.jobs import environment
 
@@ -65,7 +64,7 @@ def test_under_torchrun_every_rank_agrees_and_every_strategy_is_verified() -> No
     assert took[("zeros_like_branches", "3 MiB")] == "rebind (broadcast), cat elided"  # ignite's, proven in a method
     # torchmetrics' shape returns its list: rebound and armed for the caller's cat where that cat's result
     # would be copy-on-write (no cat follows here: nothing elided).
-    assert took[("zeros_like_list", "3 MiB")] == ("rebind (broadcast)" if cow.works() else "in_slots (broadcast)")
+    assert took[("zeros_like_list", "3 MiB")] == "in_slots (broadcast)"  # a returned list: no cat proven
     assert took[("views_in_place", "3 MiB")] == "direct (broadcast)"
     # memgather.gather's small call is torch's single-tensor call into its result: not a rewire.
     assert took[("single_tensor", "64 KiB")] == "into_result (single_staged)"
