@@ -35,9 +35,10 @@ own code exchanges the sizes, and only where it can show what the function does:
 
 So the library's code makes its own checks, errors, warnings and size exchange, and its own
 padded way wherever memgather does not take over. Ignite's ``all_gather_tensors_with_shapes``
-pads before it makes any collective (its shapes are given): it is taken over ``whole``, its
-steps mirrored up to the padding. A release whose helper differs in anything but comments,
-docstrings and annotations is not recognised and stays as it is.
+pads before it makes any collective (its shapes are given): its takeover (``run``) decides from
+the call's arguments before the library's code runs, and leaves it the whole call wherever it
+does not take over. A release whose helper differs in anything but comments, docstrings and
+annotations is not recognised and stays as it is.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class _Installed:
     original: types.FunctionType  # a function of the library's own code, for the paths memgather leaves
     takeover: Any
     sites: Dict[Tuple[types.CodeType, int], Exchange]  # the exchanges' (code, line)
+    options: Dict[str, Any]  # the shape's (``Shape.options``), read by every call
 
 
 class Call:
@@ -155,7 +157,7 @@ class Call:
     @property
     def options(self) -> Dict[str, Any]:
         """What the takeover must know of the matched code (``Shape.options``)."""
-        return dict(self.entry.shape.options)
+        return self.entry.options
 
     def argument(self, name: str) -> Any:
         """The value of the helper's parameter ``name`` in this call (its default where not given)."""
@@ -261,16 +263,12 @@ def digest(function: Any) -> Optional[str]:
 
     Annotations are left out because they never decide what a call does: a function's own are
     evaluated when it is defined (at most raising there), a local variable's never."""
-    tree = _tree(function)
+    tree = source_tree(function)
     return None if tree is None else _digest_of(tree)
 
 
 def source_tree(function: Any) -> Optional[ast.AST]:
     """``function``'s definition as a syntax tree, read from its source (None where it cannot be read)."""
-    return _tree(function)
-
-
-def _tree(function: Any) -> Optional[ast.AST]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError, IndentationError):
@@ -360,17 +358,25 @@ def _is_docstring(node: Any, body: List[Any]) -> bool:
 
 def recognise(helper: Helper, function: Any) -> Optional[str]:
     """Why ``function`` is not ``helper``'s code as memgather knows it (None: it is)."""
+    return _recognised(helper, function)[0]
+
+
+def _recognised(helper: Helper, function: Any) -> Tuple[Optional[str], Optional[Shape], Optional[ast.AST]]:
+    """``recognise``'s answer, and where it is none, the shape matched and the syntax tree read (one
+    reading of the source, for the takeover's sites too)."""
     if not isinstance(function, types.FunctionType) or function.__closure__:
-        return "not a plain module-level function"
-    if shape_of(helper, digest(function)) is None:
-        return "its code is not a shape memgather was written for"
+        return "not a plain module-level function", None, None
+    tree = source_tree(function)
+    shape = None if tree is None else shape_of(helper, _digest_of(tree))
+    if shape is None:
+        return "its code is not a shape memgather was written for", None, None
     namespace = function.__globals__
     for name, test in helper.expects:
         if name not in namespace or not test(namespace[name]):
-            return f"its module's {name!r} is not what its code expects"
+            return f"its module's {name!r} is not what its code expects", None, None
     if GLOBAL in namespace and namespace[GLOBAL] is not sys.modules[__name__]:
-        return f"its module's {GLOBAL!r} is something else"
-    return None
+        return f"its module's {GLOBAL!r} is something else", None, None
+    return None, shape, tree
 
 
 def install(selected: Callable[[str], bool], elide: Optional[bool] = None) -> None:
@@ -503,17 +509,17 @@ def _take_over(helper: Helper, module: types.ModuleType) -> None:
     function = getattr(module, helper.name, None)
     if helper.key in _installed or any(entry.function is function for entry in _installed.values()):
         return  # taken over already (one module's function reached under two names)
-    why = recognise(helper, function)
+    why, shape, tree = _recognised(helper, function)
     if why is not None:
         _log.info("memgather leaves %s.%s as it is: %s", helper.module, helper.name, why)
         return
-    assert isinstance(function, types.FunctionType)
-    shape = shape_of(helper, digest(function))
-    assert shape is not None  # recognise() found it
-    sites = _sites(helper, function)
+    assert isinstance(function, types.FunctionType) and shape is not None  # _recognised() found them
+    sites = _sites(helper, function, tree)
     if sites is None:
         _log.info(
-            "memgather leaves %s.%s as it is: its size exchange is not where its shape has it", module, helper.name
+            "memgather leaves %s.%s as it is: its size exchange is not where its shape has it",
+            helper.module,
+            helper.name,
         )
         return
     where, _, name = helper.takeover.partition(":")
@@ -524,17 +530,18 @@ def _take_over(helper: Helper, module: types.ModuleType) -> None:
     function.__globals__[GLOBAL] = sys.modules[__name__]  # kept after unpatch(): a trampoline may be starting
     function.__code__ = _trampoline(code, helper.key)
     _trampolines[function.__code__] = code
-    entry = _Installed(helper, shape, function, code, original, takeover, sites)
+    entry = _Installed(helper, shape, function, code, original, takeover, sites, dict(shape.options))
     _installed[helper.key] = _seen[helper.key] = entry
     _log.info(
         "memgather takes over %s.%s (%s): uneven gathers without padding", helper.module, helper.name, shape.releases
     )
 
 
-def _sites(helper: Helper, function: types.FunctionType) -> Optional[Dict[Tuple[types.CodeType, int], Exchange]]:
+def _sites(
+    helper: Helper, function: types.FunctionType, tree: Optional[ast.AST]
+) -> Optional[Dict[Tuple[types.CodeType, int], Exchange]]:
     """Each exchange of ``helper`` as (the code object that makes it, its line in the file), read from
-    the function's source (None where one is not found exactly once)."""
-    tree = _tree(function)
+    the function's syntax tree (None where one is not found exactly once)."""
     if not isinstance(tree, ast.FunctionDef):
         return None
     code = function.__code__

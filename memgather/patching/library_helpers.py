@@ -31,6 +31,7 @@ def _module_named(name: str) -> Callable[[Any], bool]:
 _OWN_ENTRY = (("own_entry_is_input", True), ("list_index", False))
 _OWN_ENTRY_LIST_INDEX = (("own_entry_is_input", True), ("list_index", True))
 _ALL_GATHERED_LIST_INDEX = (("own_entry_is_input", False), ("list_index", True))
+_LIST_INDEX = (("list_index", True),)  # Ignite's: a list of slices too
 
 # A release whose helper differs in anything but comments, docstrings and annotations keeps its own code.
 HELPERS = (
@@ -65,7 +66,7 @@ HELPERS = (
         "ignite.all_gather_tensors_with_shapes",
         "ignite.distributed.utils",
         "all_gather_tensors_with_shapes",
-        (helpers.Shape("45ec3f3fc1c04e13a1704ca6c4f3ca69", "PyTorch-Ignite 0.5.2 to 0.5.5"),),
+        (helpers.Shape("45ec3f3fc1c04e13a1704ca6c4f3ca69", "PyTorch-Ignite 0.5.2 to 0.5.5", _LIST_INDEX),),
         (("_model", lambda value: True), ("_rank_not_in_group", callable)),  # what the takeover reads
         "memgather.patching.padded:all_gather_tensors_with_shapes",
     ),

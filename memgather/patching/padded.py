@@ -7,7 +7,7 @@ returns a plan where every rank gathers the rows unpadded (``_unpadded``: each r
 written once into one new tensor), or None, and the library's code goes on its own padded way.
 ``finish`` then hands back what the library's code would have: its list of slices, or their
 concatenation. Ignite's helper is given the shapes and pads before any collective: ``run``
-mirrors its steps up to the padding.
+decides from its arguments before its code runs, and leaves it the whole call otherwise.
 
 What differs from the library's own result where memgather takes over: each slice is a view of
 a tensor of its own rank's rows that shares its memory with the other ranks' (their
@@ -198,7 +198,7 @@ class _GatherAllTensors:
         # The library's slots are zeros_like(...) gathered into, as its size slots were: their versions.
         versions = [_version(size) for size in exchanged]
         own_entry_is_input = call.options["own_entry_is_input"]
-        if call.options["list_index"] and _list_index_warnings() is None:
+        if _list_index_refused(call):
             return None  # this torch refuses its slices' list index: its own code raises as it does
         armed = _caller_concatenates(call, result)
         # torchmetrics puts the input in its own rank's place: the tensor keeps those rows only for a
@@ -245,6 +245,12 @@ def _list_index_warnings() -> Optional[List[Tuple[str, type]]]:
                 outcome = [(str(w.message), w.category) for w in caught]
         _probed.append(outcome)
     return _probed[0]
+
+
+def _list_index_refused(call: helpers.Call) -> bool:
+    """Whether the library's code slices with a list of slices and this torch refuses such an index:
+    then the library's own way meets the refusal, as without memgather."""
+    return bool(call.options["list_index"]) and _list_index_warnings() is None
 
 
 def _warn_as_the_library(call: helpers.Call, slices: int) -> None:
@@ -355,7 +361,7 @@ class _AllGatherTensorsWithShapes:
         given = _whole_shapes(shapes)
         # Ignite pads to the largest of the shapes it is given: the same on every rank where its gather works.
         taken = None
-        if given and _list_index_warnings() is not None:  # (a torch that refuses its list index: its own way)
+        if given and not _list_index_refused(call):
             padded_numel = math.prod(max(dims) for dims in zip(*given))
             taken = _unpadded(tensor, group, padded_numel, given)
         if taken is None:
@@ -364,7 +370,8 @@ class _AllGatherTensorsWithShapes:
         compat.set_version(taken.out, 0)  # as the tensor Ignite's gather concatenates
         if _caller_concatenates(call, tensor):
             elision.arm(parts, taken.out, None)
-        _warn_as_the_library(call, len(parts))  # Ignite slices with a list of slices too
+        if call.options["list_index"]:
+            _warn_as_the_library(call, len(parts))
         return parts
 
 
