@@ -52,8 +52,8 @@ Key = Tuple[Tuple[int, int, int], ...]  # (code, instruction, globals) of each f
 # module attribute the proof resolved. Checked again before a kept verdict that elides is used.
 Bindings = Tuple[Tuple[Any, str, Any], ...]
 _lock = threading.Lock()
-_verdicts: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}
-_received: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}
+_verdicts: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}  # the gathering call sites'
+_received: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]] = {}  # returned lists' receivers
 _MISSING = object()
 
 
@@ -103,28 +103,7 @@ def received(frame: Optional[FrameType], below: FrameType) -> Verdict:
         if not _own(module_of(frame)):  # a taken-over helper's way through memgather: not the caller's code
             chain.append(frame)
         frame = frame.f_back
-    key = _key(chain)
-    known = _received.get(key)
-    if known is not None and _same_codes(known[0], chain) and _still_bound(known[1], known[2]):
-        return known[1]
-    bindings: List[Tuple[Any, str, Any]] = []
-    try:
-        found, where = _receiver_up(chain, bindings)
-    except Exception as error:  # noqa: BLE001 - reading a caller's code must never break its gather
-        _log.debug("memgather: the receiver proof failed", exc_info=True)
-        found, where = proof.refuse(f"the proof failed: {type(error).__name__}: {error}"), chain[1]
-    held = tuple({(id(space), name): (space, name, thing) for space, name, thing in bindings}.values())
-    with _lock:
-        if len(_received) >= _MAX_SITES:
-            _received.clear()
-        _received[key] = (tuple(f.f_code for f in chain), found, held)
-    _log.info(
-        "memgather: cat elision of the list returned to %s: %s (%s)",
-        _where(where),
-        "on" if found.proven else "off",
-        found.reason,
-    )
-    return found
+    return _proven(_received, _key(chain), chain, _receiver_up, "of the list returned to")[0]
 
 
 def _receiver_up(chain: List[FrameType], bindings: List[Tuple[Any, str, Any]]) -> Tuple[Verdict, FrameType]:
@@ -161,15 +140,34 @@ def _verdict(frame: Optional[FrameType], gatherer: bool) -> Tuple[Verdict, Bindi
         return proof.refuse("no calling frame"), ()
     # A gatherer's own frame alone, as at most call sites: its key without a generator, per call.
     key: Key = ((id(chain[0].f_code), chain[0].f_lasti, id(chain[0].f_globals)),) if len(chain) == 1 else _key(chain)
-    known = _verdicts.get(key)
+    return _proven(_verdicts, key, chain, _prove_chain, "at")
+
+
+# A proof over a chain of frames: its verdict and the frame it was reached at, the names it resolved
+# appended to the list it is given.
+ChainProver = Callable[[List[FrameType], List[Tuple[Any, str, Any]]], Tuple[Verdict, FrameType]]
+
+
+def _proven(
+    table: Dict[Key, Tuple[Tuple[CodeType, ...], Verdict, Bindings]],
+    key: Key,
+    chain: List[FrameType],
+    prove: ChainProver,
+    what: str,
+) -> Tuple[Verdict, Bindings]:
+    """``prove``'s verdict on ``chain``, with the bindings it rests on: proven once per ``key`` (kept in
+    ``table``), then looked up while the chain's code is the same and every name it resolved holds."""
+    known = table.get(key)
     if known is not None and _same_codes(known[0], chain) and _still_bound(known[1], known[2]):
         return known[1], known[2]
-    found, where, bindings = _prove(chain)
+    found, where, bindings = _prove(chain, prove)
     with _lock:
-        if len(_verdicts) >= _MAX_SITES:
-            _verdicts.clear()
-        _verdicts[key] = (tuple(f.f_code for f in chain), found, bindings)
-    _log.info("memgather: cat elision at %s: %s (%s)", _where(where), "on" if found.proven else "off", found.reason)
+        if len(table) >= _MAX_SITES:
+            table.clear()
+        table[key] = (tuple(f.f_code for f in chain), found, bindings)
+    _log.info(
+        "memgather: cat elision %s %s: %s (%s)", what, _where(where), "on" if found.proven else "off", found.reason
+    )
     return found, bindings
 
 
@@ -206,8 +204,7 @@ def gathering_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
 
 def _chain(frame: Optional[FrameType]) -> List[FrameType]:
     """The gathering frame, then (where it is a Function's forward) the frames up to the receiver."""
-    while frame is not None and _own(module_of(frame)):
-        frame = frame.f_back
+    frame = gathering_frame(frame)
     if frame is None:
         return []
     chain = [frame]
@@ -228,10 +225,10 @@ def _own(module: str) -> bool:
     return under(module, _OWN)
 
 
-def _prove(chain: List[FrameType]) -> Tuple[Verdict, FrameType, Bindings]:
+def _prove(chain: List[FrameType], prove: ChainProver) -> Tuple[Verdict, FrameType, Bindings]:
     bindings: List[Tuple[Any, str, Any]] = []
     try:
-        found, where = _prove_chain(chain, bindings)
+        found, where = prove(chain, bindings)
     except Exception as error:  # noqa: BLE001 - reading a caller's code must never break its gather
         _log.debug("memgather: the elision proof failed", exc_info=True)
         found, where = proof.refuse(f"the proof failed: {type(error).__name__}: {error}"), chain[0]
