@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memgather
 from memgather import compat, cow
@@ -230,3 +231,15 @@ class FunctionTensor(torch.Tensor):
 
 def filled(rank: int, shape: Tuple[int, ...] = (3,), dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape) + 100 * rank).to(dtype)
+
+
+class OpRecorder(TorchDispatchMode):
+    """A dispatch mode that records the name of every aten op it sees (a program's observation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -251,18 +251,9 @@ def _run_fn(pools: Any, fn: Any, *args: Any) -> List[Any]:
 def modes_and_transforms_after_cat(ctx: Any, elide: bool) -> Dict[str, Any]:
     """What a dispatch mode records, and what functorch computes, when a slot is first used after the cat."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     import memgather
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: List[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from tests.ranks import OpRecorder
 
     def gathered() -> Any:
         slots = [torch.empty(3) for _ in range(ctx.world)]
@@ -270,7 +261,7 @@ def modes_and_transforms_after_cat(ctx: Any, elide: bool) -> Dict[str, Any]:
         return slots, torch.cat(slots)  # the result kept: while it lives, the slots share its memory
 
     slots, result = gathered()
-    with Recorder() as recorder:
+    with OpRecorder() as recorder:
         plus = slots[0] + 1
     slots, result = gathered()
     grad = torch.func.grad(lambda w: (w * slots[1]).sum())(torch.ones(3))

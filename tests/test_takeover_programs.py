@@ -23,7 +23,7 @@ import memgather
 from memgather.patching import helpers
 from tests.conftest import EAGER, unwrap
 from tests.library_code import lightning_distributed, monai_dist, torchmetrics_1_8, torchmetrics_distributed
-from tests.ranks import as_bytes, group_for
+from tests.ranks import OpRecorder, as_bytes, group_for
 from tests.test_padded import _register
 
 DETAIL = {**EAGER, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -146,22 +146,11 @@ def strict_subclass(ctx: Any) -> Dict[str, Any]:
 
 def counted_ops(ctx: Any) -> Dict[str, Any]:
     """A dispatch mode that records every op: it sees the library's ops, none of memgather's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: List[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     def program() -> Any:
         out = []
         for helper in HELPERS.values():
             given = _rows(ctx.rank)
-            with Recorder() as recorder:
+            with OpRecorder() as recorder:
                 result = helper(given)
             out.append((_seen(result), recorder.ops))
         return out
