@@ -24,7 +24,16 @@ from tests.ranks import FunctionTensor, filled, handed_out, without_cow
 # How an elided result is made: a copy-on-write snapshot where this torch has one, and the buffer itself.
 HAND_OUTS = [True, False] if cow.works() else [False]
 
-ELIDED = {"cat", "cat_dim0_kw", "cat_negative_dim", "concat", "concatenate", "cat_tuple", "stack", "stack_negative_dim",
+# What reading a slot's metadata may touch and still leave it armed, written out here (not read from
+# memgather's tables, which a fault in them would change along with the cases).
+METADATA_METHODS = ("dim", "size", "numel", "nelement", "ndimension", "element_size", "is_contiguous", "stride",
+                    "storage_offset", "get_device", "__len__", "is_floating_point", "is_complex", "is_signed",
+                    "is_inference", "is_conj", "is_neg")
+METADATA_PROPERTIES = ("shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "grad_fn", "grad",
+                       "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized",
+                       "is_mkldnn", "is_nested", "is_xpu", "is_mps", "itemsize", "nbytes", "output_nr", "_version")
+_READ = METADATA_METHODS + tuple(a for a in METADATA_PROPERTIES if hasattr(torch.empty(0), a))
+ELIDED = {f"cat_after_{name}" for name in _READ} | {"cat", "cat_dim0_kw", "cat_negative_dim", "concat", "concatenate", "cat_tuple", "stack", "stack_negative_dim",
           "cat_after_read", "stack_scalars", "cat_pooled", "stack_pooled"}
 # Not exactly the slots, in order, along dim 0 into a new tensor; or a slot was used
 # (written) first, which turns every slot back into a plain tensor.
@@ -252,6 +261,10 @@ def _elision_cases(ctx: Any) -> Dict[str, Any]:
     record("cat_out", lambda s: torch.cat(s, out=torch.empty(ctx.world * 4, 3)), lambda w: torch.cat(w))
     record("cat_after_add", lambda s: (s[0].add_(1), torch.cat(s))[1], lambda w: (w[0].add_(1), torch.cat(w))[1])
     record("cat_after_read", lambda s: (s[0].shape, torch.cat(s))[1], lambda w: torch.cat(w))
+    for method in METADATA_METHODS:
+        record(f"cat_after_{method}", lambda s, m=method: (getattr(s[0], m)(), torch.cat(s))[1], torch.cat)
+    for attribute in [a for a in METADATA_PROPERTIES if hasattr(torch.empty(0), a)]:  # ("names": gone in torch 2.13)
+        record(f"cat_after_{attribute}", lambda s, a=attribute: (getattr(s[1], a), torch.cat(s))[1], torch.cat)
     record("cat_scalars", lambda s: torch.cat(s), lambda w: torch.cat(w), shape=())
     record("stack_scalars", lambda s: torch.stack(s), lambda w: torch.stack(w), shape=())
     record("other_op", lambda s: s[1] * 2, lambda w: w[1] * 2)

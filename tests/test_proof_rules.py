@@ -922,6 +922,93 @@ PINNED = {
         [('gatherer', False, 'line 16: slots is used after the gather at line 14, not by a cat')],
         [''],
     ),
+    'gather_raises_into_a_handler_that_reads_the_list': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            try:
+                dist.all_gather(slots, t)
+            except RuntimeError:
+                return slots
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 17: slots is used after the gather at line 15, not by a cat')],
+        ['line 15: slots is not bound by the statement just before the gather'],
+    ),
+    'factory_of_another_module_by_a_factorys_name': (
+        """\
+        def case(t):
+            slots = [builtins.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 13: slots is bound to something that is not a list of new tensors')],
+        ['line 13: not every slot is torch.empty_like, zeros_like or ones_like of t'],
+    ),
+    'if_reads_the_list_before_the_cat': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            if slots:
+                return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'while_reads_the_list_before_the_cat': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            while not slots:
+                pass
+            return torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'all_gathered_tensors_given_to_a_call_that_is_not_a_cat': (
+        """\
+        def case(t):
+            return sorted(torch.distributed.nn.all_gather(t))
+""",
+        [('receiver', False, 'line 13: the gathered tensors are neither bound to a name nor concatenated')],
+        [],
+    ),
+    'a_handler_binds_the_lists_name_after_the_cat': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            try:
+                return torch.cat(slots)
+            except RuntimeError as slots:
+                raise ValueError(str(slots))
+""",
+        [('gatherer', True, 'drops the list after the cat at line 16')],
+        [''],
+    ),
+    'cat_and_a_slot_in_one_statement': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return torch.cat(slots) + slots[0]
+""",
+        [('gatherer', False, 'line 15: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
+    'list_then_its_cat_in_one_statement': (
+        """\
+        def case(t):
+            slots = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(slots, t)
+            return slots, torch.cat(slots)
+""",
+        [('gatherer', False, 'line 15: slots is used after the gather at line 14, not by a cat')],
+        [''],
+    ),
 }
 
 

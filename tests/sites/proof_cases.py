@@ -328,6 +328,22 @@ def refused_in_a_handler(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
         return result, slots[0]
 
 
+def _keeping_cat(tensors: List[torch.Tensor]) -> torch.Tensor:
+    KEPT.append(tensors[0])
+    return torch.cat(tensors)
+
+
+def refused_a_local_named_like_a_cat(tensor: torch.Tensor) -> Tuple[torch.Tensor, List[Any]]:
+    """``concatenate_them`` is torch.cat in the module's globals, but a local of another value here."""
+    del KEPT[:]
+    slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, tensor)
+    concatenate_them = _keeping_cat
+    result = concatenate_them(slots)
+    result.add_(1)
+    return result, list(KEPT)
+
+
 def refused_used_between(tensor: torch.Tensor) -> torch.Tensor:
     slots = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(slots, tensor)
