@@ -7,10 +7,11 @@ Public API::
     memgather.all_gather(tensor_list, tensor, group=None, async_op=False)
     memgather.gather(tensor, group=None) -> Tensor
     memgather.gather_uneven(tensor, group=None) -> Tensor   # ranks' dim 0 may differ
+    memgather.all_gather_object / gather_object / broadcast_object_list   # torch's signatures, by parts
     memgather.stats() / memgather.reset_stats()
     memgather.primitive()                # the single-tensor all-gather this torch offers, and why
     memgather.TARGETS                    # the built-in target registry
-    memgather.UnevenShapesError, memgather.UnevenLayoutError, memgather.VerifyError
+    memgather.UnevenShapesError, memgather.UnevenLayoutError, memgather.VerifyError, memgather.ObjectPickleError
 
 Names are imported on first use, so ``import memgather`` (and the start-up
 hook in ``memgather.pth``) does not import torch.
@@ -36,6 +37,9 @@ _EXPORTS = {
     "all_gather": ("memgather.engine.core", "all_gather"),
     "gather": ("memgather.engine.core", "gather"),
     "gather_uneven": ("memgather.engine.core", "gather_uneven"),
+    "all_gather_object": ("memgather.engine.objects", "all_gather_object"),
+    "gather_object": ("memgather.engine.objects", "gather_object"),
+    "broadcast_object_list": ("memgather.engine.objects", "broadcast_object_list"),
     "patch": ("memgather.patching.patcher", "patch"),
     "unpatch": ("memgather.patching.patcher", "unpatch"),
     "is_patched": ("memgather.patching.patcher", "is_patched"),
@@ -48,6 +52,7 @@ _EXPORTS = {
     "UnevenShapesError": ("memgather.errors", "UnevenShapesError"),
     "UnevenLayoutError": ("memgather.errors", "UnevenLayoutError"),
     "VerifyError": ("memgather.errors", "VerifyError"),
+    "ObjectPickleError": ("memgather.errors", "ObjectPickleError"),
     "Reason": ("memgather.engine.reasons", "Reason"),
     "Strategy": ("memgather.engine.reasons", "Strategy"),
     "Target": ("memgather.patching.targets", "Target"),
@@ -100,8 +105,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs; ``import x a
     from memgather.engine.counters import Stats as Stats
     from memgather.engine.counters import reset_stats as reset_stats
     from memgather.engine.counters import stats as stats
+    from memgather.engine.objects import all_gather_object as all_gather_object
+    from memgather.engine.objects import broadcast_object_list as broadcast_object_list
+    from memgather.engine.objects import gather_object as gather_object
     from memgather.engine.reasons import Reason as Reason
     from memgather.engine.reasons import Strategy as Strategy
+    from memgather.errors import ObjectPickleError as ObjectPickleError
     from memgather.errors import UnevenLayoutError as UnevenLayoutError
     from memgather.errors import UnevenShapesError as UnevenShapesError
     from memgather.errors import VerifyError as VerifyError

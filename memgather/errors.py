@@ -72,3 +72,19 @@ class VerifyError(RuntimeError):
             f"strategy {strategy}: slot {rank} differs from the original all_gather at index {index} "
             f"(seen by group rank {seen_by}). Please report it; MEMGATHER=0 turns memgather off."
         )
+
+
+class ObjectPickleError(RuntimeError):
+    """An object collective whose object failed to pickle on another rank.
+
+    Raised on every rank but those that failed, which raise their own pickling error: torch
+    would leave these ranks waiting for the failed ones for ever. ``ranks``: the group ranks
+    whose object failed to pickle.
+    """
+
+    def __init__(self, collective: str, ranks: Sequence[int]) -> None:
+        self.collective, self.ranks = collective, list(ranks)
+        super().__init__(
+            f"memgather: {collective}: the object of group rank(s) {', '.join(map(str, ranks))} failed to pickle "
+            "(their own error says why); every rank raises here, where torch would wait for them for ever"
+        )

@@ -20,6 +20,8 @@ class Strategy(str, enum.Enum):
     STAGED = "staged"  # a temporary flat buffer, the single-tensor call, a copy into the slots where they lie
     UNPADDED = "unpadded"  # a library's uneven gather taken over: every rank's rows once into one tensor
     INTO_RESULT = "into_result"  # memgather.gather's small call: torch's single-tensor call into its result
+    # An object collective: each rank's pickled bytes broadcast at their own size, one part at a time.
+    OBJECT_PARTS = "object_parts"
     FALLBACK = "fallback"
 
 
@@ -67,4 +69,5 @@ class Reason(str, enum.Enum):
     SLOT_WRITTEN = "slot_written"  # a CUDA slot written before (or without a version counter): maybe a graph's
     CANNOT_PROVE_EXCLUSIVE = "cannot_prove_exclusive"  # torch lacks a storage use count
     PEER_FALLBACK = "peer_fallback"  # another rank could not take the rewired path
+    REPLACED = "replaced"  # a helper of torch's object collectives replaced (a mock, a patch): torch runs it
     UNEVEN_RANKS = "uneven_ranks"  # ranks' inputs differ (check off: torch decides)

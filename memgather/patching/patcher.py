@@ -22,7 +22,7 @@ import torch.distributed as dist
 import wrapt
 
 from memgather import compat, config
-from memgather.engine import core, elision, kept, report
+from memgather.engine import core, elision, kept, objects, report
 from memgather.engine.call import bind
 from memgather.engine.reasons import Reason
 from memgather.patching import callers, helpers, library_helpers, scope, sites
@@ -48,6 +48,8 @@ class _Active:
 _lock = threading.RLock()
 _active: Optional[_Active] = None
 _wrapper: Optional[MemgatherWrapper] = None
+# torch's object collectives (name -> memgather's wrapper of torch's function, made once).
+_object_wrappers: Dict[str, MemgatherWrapper] = {}
 _installed: List[Tuple[Any, str, Any]] = []  # (owner, attribute, value it replaced)
 # Keyed by id(code), holding the code object so the id cannot be reused: code
 # objects compare by value, and two modules' identical functions are "equal".
@@ -323,6 +325,49 @@ def _install() -> None:
                 "%s.all_gather was replaced by someone else; memgather wraps what is there", _owner_name(owner)
             )
         _set(owner, "all_gather", _wrapper)
+    for name, function in OBJECT_COLLECTIVES.items():
+        wrapper = _object_wrappers.get(name)
+        if wrapper is None:
+            wrapper = _object_wrappers[name] = MemgatherWrapper(getattr(c10d, name), _on_object_call(function))
+        for owner in (dist, c10d):
+            if not _is_one_of_ours(getattr(owner, name), wrapper):
+                _set(owner, name, wrapper)
+
+
+# torch's object collectives and memgather's way of making each.
+OBJECT_COLLECTIVES = {
+    "all_gather_object": objects.all_gather_object,
+    "gather_object": objects.gather_object,
+    "broadcast_object_list": objects.broadcast_object_list,
+}
+
+
+def _on_object_call(function: Any) -> Any:
+    """The wrapper's handler for one of torch's object collectives: ``function`` (memgather's way)
+    for a call from a selected target, torch's own for every other caller."""
+
+    def handler(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        active = _active
+        if active is not None and not scope.is_disabled():
+            frame = sys._getframe(1)
+            known = _decisions.get(id(frame.f_code))
+            decision = known if known is not None and known[0] is frame.f_code else _decide(frame, active)[0]
+            if decision[1]:
+                return function(*args, **kwargs)
+        return wrapped(*args, **kwargs)
+
+    return handler
+
+
+def _is_one_of_ours(function: Any, wrapper: Any) -> bool:
+    """Whether ``function`` is ``wrapper`` or wraps it (follows ``__wrapped__``)."""
+    for _ in range(32):
+        if function is wrapper:
+            return True
+        function = getattr(function, "__wrapped__", None)
+        if function is None:
+            return False
+    return False
 
 
 def _wraps_ours(function: Any) -> bool:
@@ -337,16 +382,17 @@ def _wraps_ours(function: Any) -> bool:
 
 
 def _rebind_imported(selection: registry.Selection) -> None:
-    """Replace ``all_gather`` names that selected modules imported before patching."""
+    """Replace ``all_gather`` (and object collective) names that selected modules imported before patching."""
     assert _wrapper is not None
-    original = _wrapper.__wrapped__
+    ours = {id(wrapper.__wrapped__): wrapper for wrapper in (_wrapper, *_object_wrappers.values())}
     modules: Dict[str, Optional[ModuleType]] = dict(sys.modules)  # an entry may be None (a blocked import)
     for name, module in modules.items():
         if module is None or not _selected_module(name, selection):
             continue
         for attribute, value in list(vars(module).items()):
-            if value is original:
-                _set(module, attribute, _wrapper)
+            wrapper = ours.get(id(value))
+            if wrapper is not None and value is wrapper.__wrapped__:
+                _set(module, attribute, wrapper)
 
 
 def _selected_module(name: str, selection: registry.Selection) -> bool:
@@ -371,7 +417,8 @@ def _set(owner: Any, attribute: str, value: Any) -> None:
 
 
 def _restore(owner: Any, attribute: str, previous: Any) -> bool:
-    if getattr(owner, attribute, None) is not _wrapper:
+    current = getattr(owner, attribute, None)
+    if current is not _wrapper and not any(current is wrapper for wrapper in _object_wrappers.values()):
         return False
     setattr(owner, attribute, previous)
     return True

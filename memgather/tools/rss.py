@@ -67,3 +67,15 @@ def track_allocations(on: bool) -> bool:
     if on:
         libc.malloc_trim(0)  # free pages the heap kept would serve the next blocks unseen
     return True
+
+
+def trim() -> bool:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``), so that the resident set
+    holds what is live. Small blocks freed inside the heap (a pickler's many small copies) otherwise stay
+    resident until reused. Returns False where the C library has no ``malloc_trim``."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

@@ -1,0 +1,354 @@
+"""torch's object collectives, each rank's pickled bytes moved at their own size, one part at a time.
+
+The call path (every rank of the group makes the same collectives, decided from what all
+of them hold after step 2)::
+
+    1. pickle          each rank pickles its object with torch's ``_pickler`` into a BytesIO,
+                       whose own buffer is the tensor that is sent (``object_bytes.Pickled``)
+    2. agree           one all_reduce of a table of int64, one entry per rank: its byte count,
+                       or PICKLE_FAILED, or TORCH_S_WAY (a Python mode on that rank would see
+                       memgather's operations, not torch's)
+    3. decide          any PICKLE_FAILED: every rank raises (the one that failed, its own
+                       error), where torch would leave the others waiting for ever; any
+                       TORCH_S_WAY: every rank makes torch's own call; else by parts
+    4. by parts        for each rank in order: a broadcast from that rank into a buffer of
+                       its size (its own bytes on that rank), the part read back by torch's
+                       ``_unpickler`` from a view of that buffer, the buffer dropped
+    5. hand over       the objects into the caller's list, in order, as torch assigns them
+
+Memory (host, per rank): the objects read so far plus one part's bytes, and the rank's own
+pickled bytes until its own part is read; torch holds every rank's bytes padded to the
+largest, and copies each part twice more (``.numpy().tobytes()``, a slice) to read it. On
+CUDA (NCCL) a part goes through device memory at its own size, one part at a time: the device
+holds at most the largest part, where torch holds the world times the largest.
+
+Collectives: one all_reduce and one broadcast per rank, where torch makes two all_gathers: the
+same number at 2 ranks, more latency at many ranks with tiny objects (docs/objects.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from memgather import compat
+from memgather.engine import counters
+from memgather.engine.object_bytes import Pickled, received, unpickled
+from memgather.engine.reasons import Reason, Strategy
+from memgather.errors import ObjectPickleError
+
+_log = logging.getLogger("memgather")
+
+PICKLE_FAILED = -1
+TORCH_S_WAY = -2
+
+_c10d = dist.distributed_c10d
+# torch's own functions, as imported: the fallbacks, and the helpers whose replacement (a mock, a
+# user's patch) sends a call to torch's own function, which would run the replacement.
+TORCH_ALL_GATHER_OBJECT = _c10d.all_gather_object
+TORCH_GATHER_OBJECT = _c10d.gather_object
+TORCH_BROADCAST_OBJECT_LIST = _c10d.broadcast_object_list
+_TORCH_HELPERS = {
+    name: getattr(_c10d, name, None)
+    for name in (
+        "_object_to_tensor",
+        "_tensor_to_object",
+        "all_reduce",
+        "broadcast",
+        "send",
+        "recv",
+        "get_world_size",
+        "get_rank",
+    )
+}
+
+
+def refusal(group: Any) -> Optional[Reason]:
+    """Why a call on ``group`` goes to torch's own function before anything is exchanged, from
+    facts every rank of the group shares (the group, its backend, this torch, its helpers)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Reason.NOT_INITIALIZED  # torch raises its own error
+    if compat.not_a_group(group) or compat.unregistered_group(group):
+        return Reason.BACKEND
+    if compat.rank_not_in_group(group):
+        return Reason.NOT_IN_GROUP  # torch warns and returns
+    if compat.is_compiling():
+        return Reason.COMPILING
+    if compat.is_coalescing(group):
+        return Reason.COALESCING
+    if any(getattr(_c10d, name, None) is not function for name, function in _TORCH_HELPERS.items()):
+        return Reason.REPLACED
+    if _device_type(group) not in ("cpu", "cuda"):
+        return Reason.BACKEND
+    return None
+
+
+def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> None:
+    """``torch.distributed.all_gather_object``, each rank's bytes moved at their own size, one at a time.
+
+    The same objects in ``object_list`` as torch's (each read back by torch's ``_unpickler``, this
+    rank's own from its own pickled bytes), the same errors where torch raises; where an object
+    fails to pickle on some rank, every rank raises (``ObjectPickleError`` on the others) where
+    torch leaves them waiting.
+    """
+    why = refusal(group)
+    if why is not None:
+        counters.record_fallback(why.value)
+        return TORCH_ALL_GATHER_OBJECT(object_list, obj, group)
+    return _all_gather_object(object_list, obj, group)
+
+
+def _all_gather_object(object_list: List[Any], obj: Any, group: Any) -> None:
+    device = _device(group)
+    world = _c10d.get_world_size(group)
+    me = _c10d.get_rank(group)
+    own, failure = _pickled(obj)
+    sizes = _agree(own, failure, me, world, device, group)
+    if TORCH_S_WAY in sizes and PICKLE_FAILED not in sizes:
+        own = None
+        counters.record_fallback(Reason.DISPATCH_MODE.value)
+        return TORCH_ALL_GATHER_OBJECT(object_list, obj, group)
+    _raise_on_failure(sizes, failure, "all_gather_object")
+    assert own is not None
+    objects, error = _by_parts(own, sizes, me, device, group)
+    counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
+    _hand_over(object_list, objects, error)
+
+
+def gather_object(
+    obj: Any,
+    object_gather_list: Optional[List[Any]] = None,
+    dst: Optional[int] = None,
+    group: Any = None,
+    group_dst: Optional[int] = None,
+) -> None:
+    """``torch.distributed.gather_object``, each rank's bytes moved to ``dst`` at their own size, one at a time.
+
+    As ``all_gather_object``, the objects read back on the destination alone; the other ranks
+    hold their own bytes and, under NCCL, one part's bytes at a time on the device.
+    """
+    why = refusal(group) or _refusal_to_place(group)
+    if why is not None:
+        counters.record_fallback(why.value)
+        return TORCH_GATHER_OBJECT(obj, object_gather_list, dst, group, group_dst)
+    group = _c10d._group_or_default_group(group)
+    if dst is None and group_dst is None:
+        dst = 0
+    group_dst = _c10d._canonicalize_group_rank(group, dst, group_dst, return_global=False)
+    me = group.rank()
+    _c10d._validate_output_list_for_rank(me, group_dst, object_gather_list)  # torch's errors, before any collective
+    device = _device(group)
+    own, failure = _pickled(obj)
+    sizes = _agree(own, failure, me, group.size(), device, group)
+    if TORCH_S_WAY in sizes and PICKLE_FAILED not in sizes:
+        own = None
+        counters.record_fallback(Reason.DISPATCH_MODE.value)
+        return TORCH_GATHER_OBJECT(obj, object_gather_list, None, group, group_dst)
+    _raise_on_failure(sizes, failure, "gather_object")
+    assert own is not None
+    objects, error = _by_parts(own, sizes, me, device, group, to=group_dst)
+    counters.record(Strategy.OBJECT_PARTS.value, route="broadcast" if device.type != "cpu" else "point_to_point")
+    if me == group_dst:
+        assert object_gather_list is not None  # _validate_output_list_for_rank said so
+        _hand_over(object_gather_list, objects, error)
+
+
+def broadcast_object_list(
+    object_list: List[Any],
+    src: Optional[int] = None,
+    group: Any = None,
+    device: Any = None,
+    group_src: Optional[int] = None,
+) -> None:
+    """``torch.distributed.broadcast_object_list``, one object's bytes at a time.
+
+    The source pickles every object (the sizes go first, as torch's do), then sends them one by
+    one, each dropped once sent; the others read each back from a buffer of its size, dropped
+    before the next arrives. torch concatenates the source's bytes into one more copy and holds
+    them all on every rank, on the device under NCCL, while it reads them back.
+    """
+    why = refusal(group) or _refusal_to_place(group) or (Reason.EMPTY if not object_list else None)
+    if why is not None:
+        counters.record_fallback(why.value)
+        return TORCH_BROADCAST_OBJECT_LIST(object_list, src, group, device, group_src)
+    group = _c10d._group_or_default_group(group)
+    if src is None and group_src is None:
+        src = 0
+    group_src = _c10d._canonicalize_group_rank(group, src, group_src, return_global=False)
+    me, world, count = group.rank(), group.size(), len(object_list)
+    place = torch.device(device) if device is not None else _device(group)
+    if place.type == "cuda" and place.index is None:
+        place = torch.device("cuda", torch.cuda.current_device())
+    parts: List[Pickled] = []
+    failure: Optional[Exception] = None
+    vetoed = compat.dispatch_mode_active() or compat.function_mode_active()
+    if me == group_src and not vetoed:
+        try:
+            parts = [Pickled(obj) for obj in object_list]
+        except Exception as raised:  # noqa: BLE001 - raised again after every rank has heard of it
+            failure = raised
+    mine = {count + me: TORCH_S_WAY if vetoed else 0}
+    if me == group_src and not vetoed:
+        mine.update((i, PICKLE_FAILED if failure is not None else parts[i].size) for i in range(count))
+    entries = _exchanged(count + world, mine, place, group)
+    sizes, marks = entries[:count], entries[count:]
+    if PICKLE_FAILED not in sizes and TORCH_S_WAY in marks:
+        parts = []
+        counters.record_fallback(Reason.DISPATCH_MODE.value)
+        return TORCH_BROADCAST_OBJECT_LIST(object_list, None, group, device, group_src)
+    if failure is not None:
+        raise failure
+    if PICKLE_FAILED in sizes:
+        raise ObjectPickleError("broadcast_object_list", [group_src])
+    objects: List[Any] = []
+    error: Optional[BaseException] = None
+    for index, size in enumerate(sizes):
+        view, part = _part(parts[index], size) if me == group_src else received(size)
+        _move(part, size, me == group_src, place, group, group_src, None)
+        del part
+        if me != group_src and error is None:
+            try:
+                objects.append(unpickled(view))
+            except Exception as raised:  # noqa: BLE001 - raised once every object has moved
+                error = raised
+        del view
+    counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
+    if me != group_src:
+        _hand_over(object_list, objects, error)
+
+
+def _refusal_to_place(group: Any) -> Optional[Reason]:
+    """Why a rooted object collective goes to torch: this torch names its root other than memgather reads it."""
+    needed = ("_group_or_default_group", "_canonicalize_group_rank", "_validate_output_list_for_rank")
+    return Reason.NO_PRIMITIVE if not all(hasattr(_c10d, name) for name in needed) else None
+
+
+def _pickled(obj: Any) -> "tuple[Optional[Pickled], Optional[Exception]]":
+    """``obj`` pickled, or the error pickling it raised; TORCH_S_WAY's mark where a Python mode
+    is on (it would see memgather's operations where torch's make the call)."""
+    if compat.dispatch_mode_active() or compat.function_mode_active():
+        return None, None
+    try:
+        return Pickled(obj), None
+    except Exception as error:  # noqa: BLE001 - raised again after every rank has heard of it
+        return None, error
+
+
+def _agree(
+    own: Optional[Pickled], failure: Optional[Exception], me: int, world: int, device: torch.device, group: Any
+) -> List[int]:
+    """Every rank's entry (its byte count, PICKLE_FAILED or TORCH_S_WAY), by one all_reduce, which
+    no mode sees (a rank whose mode sends every rank torch's way shows the mode torch's call alone)."""
+    entry = own.size if own is not None else (PICKLE_FAILED if failure is not None else TORCH_S_WAY)
+    return _exchanged(world, {me: entry}, device, group)
+
+
+def _exchanged(length: int, entries: "dict[int, int]", device: torch.device, group: Any) -> List[int]:
+    """A table of ``length`` int64, this rank's ``entries`` written in, summed over the group."""
+    with compat.outside_modes():
+        table = torch.zeros(length, dtype=torch.int64)
+        for index, value in entries.items():
+            table[index] = value
+        table = table.to(device)
+        _c10d.all_reduce(table, group=group)
+        return table.tolist()
+
+
+def _raise_on_failure(sizes: List[int], failure: Optional[Exception], what: str) -> None:
+    if failure is not None:
+        raise failure
+    failed = [rank for rank, size in enumerate(sizes) if size == PICKLE_FAILED]
+    if failed:
+        raise ObjectPickleError(what, failed)
+
+
+def _by_parts(
+    own: Pickled, sizes: List[int], me: int, device: torch.device, group: Any, to: Optional[int] = None
+) -> "tuple[List[Any], Optional[BaseException]]":
+    """Each rank's part moved in rank order (to every rank, or to group rank ``to`` alone) and read
+    back where it arrives; the objects read before the first error, and that error (the remaining
+    parts still move: the other ranks are waiting for them)."""
+    objects: List[Any] = []
+    error: Optional[BaseException] = None
+    arrives = to is None or to == me
+    for rank, size in enumerate(sizes):
+        view, part = _part(own, size) if rank == me else received(size) if arrives else (None, None)
+        _move(part, size, rank == me, device, group, rank, to)
+        del part
+        if view is not None and arrives and error is None:
+            try:
+                objects.append(unpickled(view))
+            except Exception as raised:  # noqa: BLE001 - raised once every part has moved
+                error = raised
+        del view
+    return objects, error
+
+
+def _part(own: Optional[Pickled], size: int) -> "tuple[memoryview, torch.Tensor]":
+    """A part's bytes on the host: ``own``'s (which lets go of them here), or a new buffer of ``size``."""
+    if own is None:
+        return received(size)
+    view, tensor = own.view, own.tensor
+    own.release()
+    assert view is not None
+    return view, tensor if tensor is not None else torch.empty(0, dtype=torch.uint8)
+
+
+def _move(
+    part: Optional[torch.Tensor],
+    size: int,
+    sending: bool,
+    device: torch.device,
+    group: Any,
+    root: int,
+    to: Optional[int],
+) -> None:
+    """Group rank ``root``'s ``size`` bytes from its ``part`` into every other rank's (``to`` None),
+    or into group rank ``to``'s alone: by point-to-point on the CPU, else by a broadcast that the
+    other ranks receive into device memory they drop at once. Through device memory on CUDA."""
+    if size == 0 or (to is not None and root == to):
+        return  # nothing to move; a destination's own part stays where it is
+    if device.type == "cpu":
+        if part is None:
+            return  # (point to point: a part this rank neither sends nor receives)
+        if to is None:
+            _c10d.broadcast(part, src=_global_rank(group, root), group=group)
+        elif sending:
+            _c10d.send(part, _global_rank(group, to), group=group)
+        else:
+            _c10d.recv(part, _global_rank(group, root), group=group)
+        return
+    sent = part.to(device) if sending and part is not None else torch.empty(size, dtype=torch.uint8, device=device)
+    _c10d.broadcast(sent, src=_global_rank(group, root), group=group)
+    if not sending and part is not None:
+        part.copy_(sent)
+
+
+def _hand_over(object_list: List[Any], objects: List[Any], error: Optional[BaseException]) -> None:
+    """Into the caller's list, in order, as torch's loop assigns them (an error raised after the
+    objects read before it are in place)."""
+    for index, value in enumerate(objects):
+        object_list[index] = value
+    if error is not None:
+        raise error
+
+
+def _device_type(group: Any) -> str:
+    return str(_c10d._get_object_coll_device(group)).split(":")[0]
+
+
+def _device(group: Any) -> torch.device:
+    """The device torch's object collectives use for ``group`` (the current CUDA device under NCCL)."""
+    device = torch.device(_c10d._get_object_coll_device(group))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    if group is None or group is compat.default_group():
+        return rank
+    return dist.get_global_rank(group, rank)
