@@ -88,3 +88,19 @@ class ObjectPickleError(RuntimeError):
             f"memgather: {collective}: the object of group rank(s) {', '.join(map(str, ranks))} failed to pickle "
             "(their own error says why); every rank raises here, where torch would wait for them for ever"
         )
+
+
+class ObjectVerifyError(VerifyError):
+    """Verify mode found an object collective whose objects differ from torch's own call's.
+
+    Raised on every rank of the group. ``rank``: the group rank that found it; ``index``: the
+    first differing entry of its list.
+    """
+
+    def __init__(self, collective: str, rank: int, index: int) -> None:
+        self.collective, self.seen_by, self.index_in_list = collective, rank, index
+        RuntimeError.__init__(
+            self,
+            f"memgather verify: {collective}: entry {index} differs from torch's own call's (seen by group rank "
+            f"{rank}). Please report it; MEMGATHER=0 turns memgather off.",
+        )

@@ -345,3 +345,42 @@ def test_a_read_back_part_is_read_from_its_own_bytes_without_a_copy() -> None:
     reader.close()
     with pytest.raises(ValueError):
         reader.read()
+
+
+def verified(ctx: Any) -> Dict[str, Any]:
+    """Verify mode: each collective checked against torch's own call; a difference on one rank raises on all."""
+    import memgather
+    from memgather.engine import objects
+    from tests.sites import object_calls
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    memgather.patch(["tests.sites.object_calls"], verify=True)
+    memgather.reset_stats()
+    try:
+        listed: List[Any] = [None] * world
+        object_calls.all_gather_object(listed, {"rank": rank, "t": torch.ones(3) * rank})
+        gathered = [None] * world if rank == 0 else None
+        object_calls.gather_object(str(rank), gathered, dst=0)
+        broadcast = [rank, None] if rank == 1 else [None, None]
+        object_calls.broadcast_object_list(broadcast, src=1)
+        clean = memgather.stats().verified
+        real = objects.unpickled
+        if rank == 1:  # a fault on one rank: its second part read back as something else
+            objects.unpickled = lambda view: "not what was sent" if bytes(view) == real_bytes else real(view)
+        import io
+
+        stream = io.BytesIO()
+        dist.distributed_c10d._pickler(stream).dump(0)
+        real_bytes = stream.getvalue()
+        try:
+            outcome = _outcome(lambda: object_calls.all_gather_object([None] * world, rank))
+        finally:
+            objects.unpickled = real
+        return {"clean": clean, "faulty": outcome[:2]}
+    finally:
+        memgather.unpatch()
+
+
+def test_verify_mode_checks_each_collective_and_raises_on_every_rank(pools: Any) -> None:
+    for rank, got in enumerate(unwrap(pools(2, **DETAIL).run(verified))):
+        assert got == {"clean": 3, "faulty": ("raised", "ObjectVerifyError")}, (rank, got)

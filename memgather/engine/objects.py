@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from memgather import compat
-from memgather.engine import counters
+from memgather.engine import core, counters, object_verification
 from memgather.engine.object_bytes import Pickled, received, unpickled
 from memgather.engine.reasons import Reason, Strategy
 from memgather.errors import ObjectPickleError
@@ -115,6 +115,14 @@ def _all_gather_object(object_list: List[Any], obj: Any, group: Any) -> None:
     assert own is not None
     objects, error = _by_parts(own, sizes, me, device, group)
     counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
+    if core.settings().verify:
+
+        def theirs() -> List[Any]:
+            listed: List[Any] = [None] * world
+            TORCH_ALL_GATHER_OBJECT(listed, obj, group)
+            return listed
+
+        _verify("all_gather_object", objects, error, theirs, me, world, device, group)
     _hand_over(object_list, objects, error)
 
 
@@ -151,6 +159,15 @@ def gather_object(
     assert own is not None
     objects, error = _by_parts(own, sizes, me, device, group, to=group_dst)
     counters.record(Strategy.OBJECT_PARTS.value, route="broadcast" if device.type != "cpu" else "point_to_point")
+    if core.settings().verify:
+
+        def theirs() -> Optional[List[Any]]:
+            listed: Optional[List[Any]] = [None] * group.size() if me == group_dst else None
+            TORCH_GATHER_OBJECT(obj, listed, None, group, group_dst)
+            return listed
+
+        mine = objects if me == group_dst else None
+        _verify("gather_object", mine, error, theirs, me, group.size(), device, group)
     if me == group_dst:
         assert object_gather_list is not None  # _validate_output_list_for_rank said so
         _hand_over(object_gather_list, objects, error)
@@ -216,8 +233,34 @@ def broadcast_object_list(
                 error = raised
         del view
     counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
+    if core.settings().verify:
+        given = list(object_list)
+
+        def theirs() -> Optional[List[Any]]:
+            listed = given if me == group_src else [None] * count
+            TORCH_BROADCAST_OBJECT_LIST(listed, None, group, device, group_src)
+            return None if me == group_src else listed
+
+        _verify("broadcast_object_list", None if me == group_src else objects, error, theirs, me, world, place, group)
     if me != group_src:
         _hand_over(object_list, objects, error)
+
+
+def _verify(
+    collective: str,
+    mine: Optional[List[Any]],
+    error: Optional[BaseException],
+    theirs: Any,
+    me: int,
+    world: int,
+    device: torch.device,
+    group: Any,
+) -> None:
+    """Verify mode: torch's own call made again, and what this rank received compared with it on
+    every rank (``object_verification``); nothing compared where memgather's call raised."""
+    object_verification.verify(
+        collective, mine if error is None else None, theirs, me, world, device, group, _c10d.all_reduce
+    )
 
 
 def _refusal_to_place(group: Any) -> Optional[Reason]:
