@@ -384,3 +384,26 @@ def verified(ctx: Any) -> Dict[str, Any]:
 def test_verify_mode_checks_each_collective_and_raises_on_every_rank(pools: Any) -> None:
     for rank, got in enumerate(unwrap(pools(2, **DETAIL).run(verified))):
         assert got == {"clean": 3, "faulty": ("raised", "ObjectVerifyError")}, (rank, got)
+
+
+def test_what_the_default_unpickler_has_read_is_handed_back_as_it_goes() -> None:
+    """Python's own Unpickler reads forwards only: the pages it read are released (they read as zeros
+    after), and the object is whole; a reader that may go back (seek) is refused once it releases."""
+    from memgather.engine import object_bytes
+
+    payload = [{"i": i, "t": torch.full((2048,), float(i))} for i in range(1024)]  # about 8 MiB pickled
+    data = bytearray(pickle.dumps(payload))
+    view = memoryview(data)
+    loaded = object_bytes.unpickled(view)
+    assert _describe(loaded) == _describe(payload)
+    import mmap
+
+    released = data[2 * mmap.PAGESIZE : len(data) // 2]  # (whole pages only: the buffer need not start on one)
+    assert released.count(0) == len(released), "the first half, read, is back with the system"
+    reader = object_bytes.BytesView(memoryview(bytearray(pickle.dumps(payload))), release_behind=True)
+    assert not reader.seekable()
+    reader.read(9 << 20)
+    with pytest.raises(io.UnsupportedOperation):
+        reader.seek(0)
+    with pytest.raises(io.UnsupportedOperation):
+        reader.getvalue()

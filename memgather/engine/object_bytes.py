@@ -12,7 +12,11 @@ one that runs.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import io
+import mmap
+import pickle
 from typing import Any, Optional, Tuple
 
 import torch
@@ -20,6 +24,23 @@ import torch.distributed as dist
 
 # What the C unpickler asks ``peek`` for when it prefetches (``PREFETCH`` in CPython's _pickle.c).
 _CHUNK = 8192 * 16
+# Read bytes are handed back to the system in steps of at least this much.
+_RELEASE_STEP = 4 << 20
+_MADV_DONTNEED = 4  # Linux
+
+
+def _find_madvise() -> Optional[Any]:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _find_madvise()
 
 
 class Pickled:
@@ -44,8 +65,16 @@ class Pickled:
 
 
 def unpickled(view: memoryview) -> Any:
-    """The object pickled in ``view``, loaded by torch's ``_unpickler`` as it is bound now."""
-    return dist.distributed_c10d._unpickler(BytesView(view)).load()
+    """The object pickled in ``view``, loaded by torch's ``_unpickler`` as it is bound now.
+
+    Where that is Python's own ``pickle.Unpickler``, which reads its file forwards only, the
+    pages of ``view`` it has read are handed back to the system as it goes (``BytesView``'s
+    ``release_behind``): the unpickler keeps what it read (its memo holds every tensor's bytes
+    until the load ends), so a part's bytes and their copies need not be resident together.
+    ``view`` reads zeros where it was released afterwards: the caller drops it.
+    """
+    unpickler = dist.distributed_c10d._unpickler
+    return unpickler(BytesView(view, release_behind=unpickler is pickle.Unpickler)).load()
 
 
 def received(size: int) -> Tuple[memoryview, torch.Tensor]:
@@ -66,22 +95,26 @@ class BytesView(io.RawIOBase):
     that asks for it.
     """
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, release_behind: bool = False) -> None:
         super().__init__()
         self._view = view
         self._at = 0
+        # release_behind: the whole pages before the position, once read, go back to the system
+        # (``madvise(MADV_DONTNEED)``: they read as zeros after): for a reader that never goes back.
+        self._base = 0
+        self._released = 0
+        if release_behind and _madvise is not None and not view.readonly and view.nbytes >= 2 * _RELEASE_STEP:
+            self._anchor = ctypes.c_char.from_buffer(view)  # its address; held while this reader is
+            self._base = ctypes.addressof(self._anchor)
 
     def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
         return True
 
     def tell(self) -> int:
         self._checked()
         return self._at
 
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+    def _seek(self, offset: int, whence: int) -> int:
         self._checked()
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}.get(whence)
         if base is None:
@@ -96,6 +129,7 @@ class BytesView(io.RawIOBase):
         end = len(self._view) if size is None or size < 0 else min(self._at + size, len(self._view))
         data = self._view[self._at : end].tobytes() if end > self._at else b""
         self._at = max(self._at, end)
+        self._release()
         return data
 
     def read1(self, size: int = -1) -> bytes:
@@ -110,6 +144,7 @@ class BytesView(io.RawIOBase):
         count = max(0, min(len(target), len(self._view) - self._at))
         target[:count] = self._view[self._at : self._at + count]
         self._at += count
+        self._release()
         return count
 
     def peek(self, size: int = 0) -> bytes:
@@ -131,7 +166,26 @@ class BytesView(io.RawIOBase):
 
     def getvalue(self) -> bytes:
         self._checked()
+        if self._released:
+            raise io.UnsupportedOperation("getvalue on a reader that handed back what it read")
         return self._view.tobytes()
+
+    def _release(self) -> None:
+        """Hand back the whole pages read since the last release, in steps of ``_RELEASE_STEP``."""
+        if not self._base or self._at - self._released < _RELEASE_STEP:
+            return
+        start = -(-(self._base + self._released) // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (self._base + self._at) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start and _madvise is not None and _madvise(start, end - start, _MADV_DONTNEED) == 0:
+            self._released = end - self._base
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if self._base:
+            raise io.UnsupportedOperation("seek on a reader that hands back what it read")
+        return self._seek(offset, whence)
+
+    def seekable(self) -> bool:
+        return not self._base
 
     def _checked(self) -> None:
         if self.closed:
