@@ -4,7 +4,10 @@
 
 Rank i holds ``MIB[i]`` MiB of evaluation results, as COCO-style evaluators collect them: a list
 with one dict per image (``image_id``, and ``boxes``, ``scores``, ``labels`` tensors of 300
-detections). Each rank makes each call below from a target module (``benchmarks.object_user``),
+detections). Each rank makes each call (``--calls``, default the first three) from a target
+module, ``benchmarks.object_user``: ``dist.all_gather_object``, ``dist.gather_object`` to rank 0,
+``dist.broadcast_object_list([results])`` from rank 0, and ``detectron2_all_gather``, a copy of
+detectron2's ``comm.all_gather`` (a gloo group of its own, then ``all_gather_object`` on it);
 unpatched and then with ``memgather.patch()`` (in turn, ``--repeat`` times), checks that both
 give the same objects, and reports the median peak growth of its resident set during the call
 (``memgather.tools.rss``, the C heap's free pages returned first) as a multiple of the objects
@@ -75,6 +78,7 @@ def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int, call
     del stream
     gathered = {
         "all_gather_object": sum(sizes),
+        "detectron2_all_gather": sum(sizes),
         "gather_object": sum(sizes) if rank == 0 else sizes[rank],
         "broadcast_object_list": sizes[0],
     }
@@ -83,7 +87,7 @@ def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int, call
     for name in calls:
         call = getattr(object_user, name)
         # Whether this rank receives objects (the others' peaks are told against their own pickled bytes).
-        result_here = name == "all_gather_object" or (rank == 0) is (name == "gather_object")
+        result_here = name in ("all_gather_object", "detectron2_all_gather") or (rank == 0) is (name == "gather_object")
         call(rank)  # first-call costs (the group's first collectives, imports) are not the call's
         peaks: Dict[str, List[float]] = {"torch": [], "memgather": []}
         times: Dict[str, List[float]] = {"torch": [], "memgather": []}
@@ -132,7 +136,7 @@ def measure(mib: Sequence[float], repeat: int, calls: Sequence[str]) -> List[Dic
     return rows
 
 
-CALLS = ("all_gather_object", "gather_object", "broadcast_object_list")
+CALLS = ("all_gather_object", "gather_object", "broadcast_object_list", "detectron2_all_gather")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -143,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--mib", default="96,96", help="MiB of results on each rank, comma-separated (default 96,96)")
     parser.add_argument("--repeat", type=int, default=2, help="calls of each way per rank (default 2)")
-    parser.add_argument("--calls", default=",".join(CALLS), help=f"comma-separated, of {', '.join(CALLS)}")
+    parser.add_argument("--calls", default=",".join(CALLS[:3]), help=f"comma-separated, of {', '.join(CALLS)}")
     args = parser.parse_args(argv)
     try:
         mib = [float(m) for m in args.mib.split(",")]

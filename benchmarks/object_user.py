@@ -23,3 +23,18 @@ def broadcast_object_list(obj: Any) -> List[Any]:
     objects = [obj if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(objects, src=0)
     return objects
+
+
+_GLOO_GROUP: Any = None
+
+
+def detectron2_all_gather(obj: Any) -> List[Any]:
+    """detectron2's ``comm.all_gather``: a gloo group of every rank of its own (made once), then
+    torch's all_gather_object on it."""
+    global _GLOO_GROUP
+    if _GLOO_GROUP is None:
+        _GLOO_GROUP = dist.new_group(backend="gloo")
+    world_size = dist.get_world_size(_GLOO_GROUP)
+    output: List[Any] = [None for _ in range(world_size)]
+    dist.all_gather_object(output, obj, group=_GLOO_GROUP)
+    return output

@@ -138,6 +138,15 @@ def uneven_pieces(result: torch.Tensor) -> Pieces:
     return dict(enumerate(flat.split(lengths)))
 
 
+SAMPLE = 1 << 18  # float32 elements: 1 MiB, one sample's prediction in the evaluation results below
+
+
+def eval_results(tensor: torch.Tensor) -> List[Dict[str, Any]]:
+    """The tensor as an evaluator's results: one dict per sample, its prediction SAMPLE elements of the
+    tensor. Copies: torch pickles a view's whole storage."""
+    return [{"idx": RANK + WORLD * i, "pred": pred.clone()} for i, pred in enumerate(tensor.split(SAMPLE))]
+
+
 def memory_paths(library: str) -> Dict[str, Callable[..., Pieces]]:
     """LIBRARY's call paths for ``memory``, by the name docs/libraries.md gives each, its default first.
 
@@ -147,9 +156,16 @@ def memory_paths(library: str) -> Dict[str, Callable[..., Pieces]]:
     A library whose scenarios live in ``job_<library>.py`` has its ``memory_paths()`` there.
     """
     if library == "accelerate":
-        from accelerate.utils import gather
+        from accelerate.utils import gather, gather_object
 
-        return {"utils.gather": lambda tensor: flat_pieces(gather(tensor))}
+        @with_input(eval_results)
+        def objects(results: List[Dict[str, Any]]) -> Pieces:
+            """gather_object: every rank's results (torch's all_gather_object), flattened in rank order."""
+            gathered = gather_object(results)
+            each = len(results)
+            return {rank: [r["pred"] for r in gathered[rank * each:(rank + 1) * each]] for rank in range(WORLD)}
+
+        return {"utils.gather": lambda tensor: flat_pieces(gather(tensor)), "utils.gather_object": objects}
     if library == "transformers":
         from transformers.trainer_pt_utils import distributed_concat
 

@@ -1,10 +1,9 @@
 """mmengine, unedited: mmengine.dist all_gather, all_gather_object and collect_results on 2 gloo ranks.
 
 The scenarios are in integration/job_mmengine.py, which also says how mmengine 0.10.7
-calls torch.distributed.all_gather. Per rank and run, 9 calls reach memgather, all
-attributed to mmengine (the object gathers' through torch.distributed's frames):
-all_gather big, small and transposed (1 each), and 2 each (sizes, then pickled bytes)
-for all_gather_object, collect_results(device='gpu') and collect_results_gpu.
+calls torch.distributed.all_gather. Per rank and run, 6 calls reach memgather, all
+attributed to mmengine: all_gather big, small and transposed (1 each), and one object
+gather each for all_gather_object, collect_results(device='gpu') and collect_results_gpu.
 """
 
 from __future__ import annotations
@@ -27,22 +26,23 @@ def fallbacks(line: str) -> Dict[str, int]:
 def test_results_identical_and_calls_rewired(tmp_path: Path) -> None:
     runs = compare("mmengine", tmp_path)
     for report in runs["memgather"].reports.values():
-        assert report.calls == 9, report.line
+        assert report.calls == 6, report.line
         # all_gather's big gather: empty_like slots, each alone on its storage, handed back
         # as the list with no cat, so on gloo they are filled where they lie (in_slots).
-        # collect_results' pickled bytes (5 x 640 KiB predictions per rank): torch's
-        # all_gather_object gathers into adjacent views of one buffer, so straight into
-        # it (direct). Everything else is under gloo's 2 MiB per rank threshold: the small
-        # all_gather and the 4 other object gathers (sizes, and small pickles).
-        assert report.rewired == 2 and report.strategies == {"in_slots": 1, "direct": 1, "fallback": 7}, report.line
+        # The three object gathers (all_gather_object, and collect_results' twice) are
+        # memgather's own from mmengine: each rank's pickled bytes at their own size, by parts.
+        # The small all_gather is under gloo's 2 MiB per rank threshold.
+        assert report.strategies == {"in_slots": 1, "object_parts": 3, "fallback": 2}, report.line
         # The transposed input: empty_like keeps its strides, and memgather neither
         # rebinds nor fills non-contiguous slots.
-        assert fallbacks(report.line) == {"below_threshold": 6, "slot_not_contiguous": 1}, report.line
+        assert fallbacks(report.line) == {"below_threshold": 1, "slot_not_contiguous": 1}, report.line
     for report in runs["verify"].reports.values():
-        # With no threshold every call but the transposed one is rewired and checked:
-        # mmengine's 2 all_gathers in their slots, the 6 object gathers into torch's views.
-        assert report.calls == 9 and report.rewired == 8 == report.verified, report.line
-        assert report.strategies == {"in_slots": 2, "direct": 6, "fallback": 1}, report.line
+        # With no threshold every call but the transposed one is rewired and checked: mmengine's
+        # 2 all_gathers in their slots, the 3 object gathers against torch's own call, whose own
+        # 2 all_gathers each (sizes, then bytes into adjacent views of one buffer) memgather
+        # rewires and checks too, attributed to mmengine past torch's and memgather's frames.
+        assert report.calls == 12 and report.rewired == 11 == report.verified, report.line
+        assert report.strategies == {"in_slots": 2, "object_parts": 3, "direct": 6, "fallback": 1}, report.line
         assert fallbacks(report.line) == {"slot_not_contiguous": 1}, report.line
 
 

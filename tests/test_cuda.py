@@ -182,3 +182,54 @@ def test_taken_over_helpers_on_nccl_answer_as_the_libraries_own_code() -> None:
     for results in nccl_ranks.run(HELPERS_TWO_RANKS, "nccl", env={"MEMGATHER_NCCL_MIN_BYTES": "0"}):
         for shapes, same, unpadded in results:
             assert same and unpadded == 4, (shapes, unpadded)
+
+
+OBJECTS_TWO_RANKS = """
+import io
+from memgather.engine.object_verification import alike
+
+obj = [{"i": RANK * 1000 + i, "t": torch.rand(1 << 18)} for i in range(8 * (RANK + 1))]  # 8 and 16 MiB, on the host
+stream = io.BytesIO()
+dist.distributed_c10d._pickler(stream).dump(obj)
+sizes = [None] * WORLD
+dist.all_gather_object(sizes, stream.getbuffer().nbytes)
+del stream
+
+def call(module, name):
+    if name == "all_gather_object":
+        listed = [None] * WORLD
+        module.all_gather_object(listed, obj)
+    elif name == "gather_object":
+        listed = [None] * WORLD if RANK == 0 else None
+        module.gather_object(obj, listed, dst=0)
+    else:
+        listed = [obj] if RANK == 0 else [None]
+        module.broadcast_object_list(listed, src=0)
+    return listed
+
+out = {"largest": max(sizes), "sizes": sizes}
+for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
+    got = {}
+    for way, module in (("torch", dist), ("memgather", memgather)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        listed = call(module, name)
+        torch.cuda.synchronize()
+        got[way] = (listed, torch.cuda.max_memory_allocated() - start)
+    out[name] = {"same": alike(got["torch"][0], got["memgather"][0]), "torch": got["torch"][1],
+                 "memgather": got["memgather"][1]}
+print(json.dumps(out))
+"""
+
+
+def test_object_collectives_on_nccl_hold_one_part_on_the_device() -> None:
+    """all_gather_object, gather_object and broadcast_object_list over NCCL: torch's objects, and on the
+    device at most the largest part at once (torch: every rank's bytes, padded to the largest)."""
+    for results in nccl_ranks.run(OBJECTS_TWO_RANKS, "nccl"):
+        largest = results["largest"]
+        for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
+            got = results[name]
+            assert got["same"], (name, got)
+            assert got["memgather"] <= largest + MIB, (name, got, largest)
+        assert results["all_gather_object"]["torch"] >= 2 * largest, results
