@@ -107,7 +107,9 @@ def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int, call
                 peak = rss.peak_bytes() - before
                 rss.trim()
                 held = rss.current_bytes() - before  # the gathered objects, as they lie in memory
-                peaks[way].append(peak / (held if result_here else gathered[name]))
+                # (Tiny objects may fit in pages already resident: no multiple then, only the time.)
+                base = held if result_here else gathered[name]
+                peaks[way].append(peak / base if base > 0 else float("nan"))
                 pickled[way].append(peak / gathered[name])
                 got[way] = answer
                 del answer

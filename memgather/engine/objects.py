@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from memgather import compat
-from memgather.engine import core, counters, object_verification
+from memgather.engine import core, counters, object_verification, routes
 from memgather.engine.object_bytes import Pickled, received, unpickled
 from memgather.engine.reasons import Reason, Strategy
 from memgather.errors import ObjectPickleError
@@ -58,8 +58,6 @@ _TORCH_HELPERS = {
         "_tensor_to_object",
         "all_reduce",
         "broadcast",
-        "send",
-        "recv",
         "get_world_size",
         "get_rank",
     )
@@ -113,8 +111,12 @@ def _all_gather_object(object_list: List[Any], obj: Any, group: Any) -> None:
         return TORCH_ALL_GATHER_OBJECT(object_list, obj, group)
     _raise_on_failure(sizes, failure, "all_gather_object")
     assert own is not None
-    objects, error = _by_parts(own, sizes, me, device, group)
-    counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
+    if max(sizes) < _threshold():
+        objects, error = _padded(own, sizes, me, device, group)
+        counters.record(Strategy.OBJECT_PADDED.value, route="single_staged")
+    else:
+        objects, error = _by_parts(own, sizes, me, device, group)
+        counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
     if core.settings().verify:
 
         def theirs() -> List[Any]:
@@ -158,7 +160,7 @@ def gather_object(
     _raise_on_failure(sizes, failure, "gather_object")
     assert own is not None
     objects, error = _by_parts(own, sizes, me, device, group, to=group_dst)
-    counters.record(Strategy.OBJECT_PARTS.value, route="broadcast" if device.type != "cpu" else "point_to_point")
+    counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
     if core.settings().verify:
 
         def theirs() -> Optional[List[Any]]:
@@ -330,6 +332,40 @@ def _by_parts(
     return objects, error
 
 
+def _padded(
+    own: Pickled, sizes: List[int], me: int, device: torch.device, group: Any
+) -> "tuple[List[Any], Optional[BaseException]]":
+    """Small parts (the largest under the threshold): one gather of every rank's bytes padded to the
+    largest, as torch's, then each part read back from a view of the one host buffer."""
+    largest, world = max(sizes), len(sizes)
+    view, flat = received(world * largest)
+    with compat.outside_modes():
+        padded = torch.zeros(largest, dtype=torch.uint8)
+        if own.tensor is not None:
+            padded[: own.size] = own.tensor
+        own.release()
+        gathered = flat if device.type == "cpu" else torch.empty(world * largest, dtype=torch.uint8, device=device)
+        slots = list(gathered.split(largest)) if largest else []
+        if largest:
+            core.original_all_gather()(slots, padded.to(device), group=group)
+        if gathered is not flat:
+            flat.copy_(gathered)
+        del padded, gathered, slots, flat
+    objects: List[Any] = []
+    for rank, size in enumerate(sizes):
+        try:
+            objects.append(unpickled(view[rank * largest : rank * largest + size]))
+        except Exception as raised:  # noqa: BLE001 - as torch's loop: the objects before it are placed
+            return objects, raised
+    return objects, None
+
+
+def _threshold() -> int:
+    """Bytes of the largest part from which each rank's part moves on its own (``MEMGATHER_GLOO_MIN_BYTES``,
+    gloo's threshold, on every backend: under it one padded gather of small parts costs less time)."""
+    return routes.gloo_threshold(core.settings().gloo_min_bytes)
+
+
 def _part(own: Optional[Pickled], size: int) -> "tuple[memoryview, torch.Tensor]":
     """A part's bytes on the host: ``own``'s (which lets go of them here), or a new buffer of ``size``."""
     if own is None:
@@ -349,20 +385,17 @@ def _move(
     root: int,
     to: Optional[int],
 ) -> None:
-    """Group rank ``root``'s ``size`` bytes from its ``part`` into every other rank's (``to`` None),
-    or into group rank ``to``'s alone: by point-to-point on the CPU, else by a broadcast that the
-    other ranks receive into device memory they drop at once. Through device memory on CUDA."""
+    """Group rank ``root``'s ``size`` bytes from its ``part`` into every other rank's ``part`` (None: a
+    rank that does not keep it, ``to`` being another's), by one broadcast; through device memory on
+    CUDA, one part at a time. Nothing moves where ``to`` is the root itself (its own part)."""
     if size == 0 or (to is not None and root == to):
         return  # nothing to move; a destination's own part stays where it is
     if device.type == "cpu":
-        if part is None:
-            return  # (point to point: a part this rank neither sends nor receives)
-        if to is None:
-            _c10d.broadcast(part, src=_global_rank(group, root), group=group)
-        elif sending:
-            _c10d.send(part, _global_rank(group, to), group=group)
-        else:
-            _c10d.recv(part, _global_rank(group, root), group=group)
+        # A broadcast even where one rank alone keeps the part: point-to-point sends step only their two
+        # ranks' sequence numbers, which torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) then
+        # find out of step on the others.
+        into = part if part is not None else torch.empty(size, dtype=torch.uint8)
+        _c10d.broadcast(into, src=_global_rank(group, root), group=group)
         return
     sent = part.to(device) if sending and part is not None else torch.empty(size, dtype=torch.uint8, device=device)
     _c10d.broadcast(sent, src=_global_rank(group, root), group=group)

@@ -22,6 +22,8 @@ class Strategy(str, enum.Enum):
     INTO_RESULT = "into_result"  # memgather.gather's small call: torch's single-tensor call into its result
     # An object collective: each rank's pickled bytes broadcast at their own size, one part at a time.
     OBJECT_PARTS = "object_parts"
+    # An object collective whose parts are all small: one gather of every rank's bytes padded to the largest.
+    OBJECT_PADDED = "object_padded"
     FALLBACK = "fallback"
 
 

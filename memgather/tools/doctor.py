@@ -43,6 +43,7 @@ def report() -> "tuple[List[str], bool]":
         for name, plan in backend_plans(primitive.name, gloo_min_bytes, nccl_min_bytes).items()
     )
     lines.append(uneven_line(settings.gloo_route if settings is not None else "auto"))
+    lines.append(object_line(gloo_min_bytes))
     lines.extend(helper_lines())
     lines.append("targets:")
     for target in targets.BUILTIN:
@@ -97,6 +98,19 @@ def uneven_line(gloo_route: str) -> str:
         "uneven gathers (memgather.gather_uneven): one int64 row per rank exchanged, then each rank's rows "
         f"written once into one tensor of the summed rows, as bytes: gloo one broadcast per rank ({ring}, "
         "MEMGATHER_GLOO_ROUTE), NCCL one broadcast per rank; no padding, no world x largest temporary"
+    )
+
+
+def object_line(gloo_min_bytes: Optional[int]) -> str:
+    """How torch's object collectives from a target are made (docs/objects.md)."""
+    from memgather.engine import routes
+
+    small = _size(routes.gloo_threshold(gloo_min_bytes))
+    return (
+        "object collectives from targets (all_gather_object, gather_object, broadcast_object_list): one all_reduce "
+        "of every rank's pickled size, then each rank's bytes at their own size, one part at a time, read back by "
+        f"torch's _unpickler from a view; all_gather_object's parts all under {small} (MEMGATHER_GLOO_MIN_BYTES): "
+        "one padded gather"
     )
 
 
