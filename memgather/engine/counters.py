@@ -56,8 +56,8 @@ _elided = 0
 class Stats:
     """A snapshot of this process's counters since start or ``reset_stats()``.
 
-    ``by_strategy`` counts calls per strategy ("direct", "rebind",
-    "in_slots", "staged", "unpadded", "into_result", "object_parts", "object_padded", "fallback"), ``by_route`` calls memgather
+    ``by_strategy`` counts calls per strategy ("direct", "rebind", "in_slots", "staged", "unpadded",
+    "into_result", "object_parts", "object_padded", "fallback"), ``by_route`` calls memgather
     carried out per collective ("single_staged", "single_in_place", "single_every_rank", "broadcast", "ring"),
     ``fallbacks`` fallback calls per reason, ``elided``
     ``torch.cat`` / ``torch.stack`` calls that returned a gathered buffer instead
