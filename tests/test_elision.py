@@ -37,7 +37,7 @@ ELIDED = {f"cat_after_{name}" for name in _READ} | {"cat", "cat_dim0_kw", "cat_n
           "cat_after_read", "stack_scalars", "cat_pooled", "stack_pooled"}
 # Not exactly the slots, in order, along dim 0 into a new tensor; or a slot was used
 # (written) first, which turns every slot back into a plain tensor.
-COPIED = {"cat_dim1", "stack_dim1", "cat_reversed", "cat_subset", "cat_out", "other_op", "cat_after_add",
+COPIED = {"cat_dim1", "stack_dim1", "cat_dim1_kw", "stack_dim1_kw", "cat_reversed", "cat_subset", "cat_out", "other_op", "cat_after_add",
           # Slots with other strides on dims of size 1 (channels_last (N, C, 1, 1)): torch's result has strides
           # of their kind, the buffer its shape's.
           "cat_pooled_channels_last", "stack_pooled_channels_last"}
@@ -256,6 +256,8 @@ def _elision_cases(ctx: Any) -> Dict[str, Any]:
     record("stack_negative_dim", lambda s: torch.stack(s, -3), lambda w: torch.stack(w, -3))
     record("cat_dim1", lambda s: torch.cat(s, 1), lambda w: torch.cat(w, 1))
     record("stack_dim1", lambda s: torch.stack(s, 1), lambda w: torch.stack(w, 1))
+    record("cat_dim1_kw", lambda s: torch.cat(s, dim=1), lambda w: torch.cat(w, 1))
+    record("stack_dim1_kw", lambda s: torch.stack(s, dim=1), lambda w: torch.stack(w, 1))
     record("cat_reversed", lambda s: torch.cat(s[::-1]), lambda w: torch.cat(w[::-1]))
     record("cat_subset", lambda s: torch.cat(s[:1]), lambda w: torch.cat(w[:1]))
     record("cat_out", lambda s: torch.cat(s, out=torch.empty(ctx.world * 4, 3)), lambda w: torch.cat(w))
@@ -488,3 +490,71 @@ def test_a_returned_list_is_armed_only_for_a_caller_proven_to_concatenate_it(poo
         assert read["taken"] == [({"in_slots": 1}, 0)] * 4, read
         assert read["kinds"] == [["Tensor", "Tensor"]] * 4, read
         assert catted["values"] == read["values"]
+
+
+def given_slots_lifecycle(ctx: Any, elide: bool) -> Dict[str, Any]:
+    """Where the result is the buffer itself (CUDA's way: ``without_cow``), each thing a program may do to
+    the slots after the cat: write one (its own memory first, its version as torch's), gather into them
+    with torch (a caller memgather does not rewire), again with memgather, inference tensors, the result's
+    storage freed, and the slots dropped (memgather forgets them)."""
+    import gc
+
+    from memgather.engine import elision
+
+    out: Dict[str, Any] = {}
+    memgather.patch(["tests.sites.no_such_module"])  # memgather's wrapper in place; this module not a target
+    try:
+        with without_cow():
+            t = filled(ctx.rank, (4,))
+            slots = [torch.empty(4) for _ in range(ctx.world)]
+            memgather.all_gather(slots, t, elide=elide)
+            before = [s._version for s in slots]
+            result = torch.cat(slots)
+            out["given"] = [type(s).__name__ for s in slots]
+            out["watching"] = elision.watching()
+            slots[0].add_(1)
+            out["written"] = (result.tolist(), slots[0].tolist(), slots[0]._version - before[0],
+                              type(slots[0]).__name__, elision.is_given(slots[0]))
+            dist.all_gather(slots, t * 2)  # torch writes in place: never into the result
+            out["torch_again"] = (result.tolist(), [s.tolist() for s in slots], [s._version - v for s, v in
+                                                                                zip(slots, before)])
+            memgather.all_gather(slots, t * 3, elide=elide)
+            again = torch.cat(slots)
+            out["memgather_again"] = (result.tolist(), again.tolist(), [s.tolist() for s in slots])
+            with torch.inference_mode():
+                frozen = [torch.empty(4) for _ in range(ctx.world)]
+                memgather.all_gather(frozen, t, elide=elide)
+                kept = torch.cat(frozen)
+                frozen[1].mul_(5)
+                out["inference"] = (kept.tolist(), frozen[1].tolist(), frozen[1].is_inference())
+            lost = [torch.empty(4) for _ in range(ctx.world)]
+            memgather.all_gather(lost, t, elide=elide)
+            freed = torch.cat(lost)
+            freed.untyped_storage().resize_(0)
+            try:
+                lost[0].add_(1)
+                out["freed"] = ("returned", lost[0].tolist())
+            except RuntimeError as error:
+                out["freed"] = ("raised", str(error).split(";")[0])
+            del slots, again, frozen, lost, result, kept, freed
+            gc.collect()
+            out["forgotten"] = not elision.watching()
+    finally:
+        memgather.unpatch()
+    return out
+
+
+def test_given_slots_keep_their_values_and_versions_as_torchs(pools: Any) -> None:
+    """The result is the buffer (as on CUDA): every later use of a slot sees torch's values and versions."""
+    elided = unwrap(pools(2, **EAGER).run(given_slots_lifecycle, True))
+    plain = unwrap(pools(2, **EAGER).run(given_slots_lifecycle, False))
+    for got, want in zip(elided, plain):
+        assert got["given"] == ["GivenSlot", "GivenSlot"] and got["watching"], got
+        assert want["given"] == ["Tensor", "Tensor"] and not want["watching"], want
+        assert got["written"][3:] == ("Tensor", False), got
+        for key in ("written", "torch_again", "memgather_again", "inference"):
+            assert got[key][:3] == want[key][:3], (key, got[key], want[key])
+        assert want["freed"][0] == "returned", want
+        assert got["freed"] == ("raised", "memgather: this slot shared its memory with the result of an elided "
+                                          "torch.cat, and that result's storage was freed (resized)"), got
+        assert got["forgotten"] and want["forgotten"], (got, want)
