@@ -144,6 +144,13 @@ def only_device_modes(tensor: torch.Tensor) -> bool:
     it unchanged, so memgather may act under it as if it were not there."""
     if _function_mode_stack is None or not torch_function_mode_only(tensor):
         return False
+    return device_modes_only()
+
+
+def device_modes_only() -> bool:
+    """Whether every ``TorchFunctionMode`` active is torch's own default-device mode (none active: True)."""
+    if _function_mode_stack is None:
+        return not function_mode_active()
     return all(
         type(mode).__name__ == "DeviceContext" and type(mode).__module__ == "torch.utils._device"
         for mode in _function_mode_stack()

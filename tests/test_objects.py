@@ -416,3 +416,27 @@ def test_what_the_default_unpickler_has_read_is_handed_back_as_it_goes() -> None
         reader.seek(0)
     with pytest.raises(io.UnsupportedOperation):
         reader.getvalue()
+
+
+def under_a_default_device(ctx: Any) -> Dict[str, Any]:
+    """torch's own default-device mode (``with torch.device(...)``) on one rank is no reason to step aside."""
+    from tests.sites import object_calls
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def run() -> Any:
+        listed: List[Any] = [None] * world
+        if rank == 0:
+            with torch.device("cpu"):
+                object_calls.all_gather_object(listed, {"rank": rank, "t": torch.ones(2)})
+        else:
+            object_calls.all_gather_object(listed, {"rank": rank, "t": torch.ones(2)})
+        return _describe(listed)
+
+    return _both_ways(run)
+
+
+def test_a_default_device_is_no_mode_to_step_aside_for(pools: Any) -> None:
+    for rank, got in enumerate(unwrap(pools(2, **DETAIL_PARTS).run(under_a_default_device))):
+        assert got["memgather"] == got["torch"], (rank, got)
+        assert got["by_strategy"] == {"object_parts": 1} and got["fallbacks"] == {}, (rank, got)

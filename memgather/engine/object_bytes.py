@@ -81,7 +81,7 @@ def received(size: int) -> Tuple[memoryview, torch.Tensor]:
     """``size`` bytes of new CPU memory: a memoryview of them and a uint8 tensor over them (sharing
     the memory; either holds it). A ``bytearray``'s, so that unpickling reads them without numpy."""
     raw = bytearray(size)  # (calloc: its pages are mapped when first written, by the receive)
-    tensor = torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    tensor = torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8, device="cpu")
     return memoryview(raw), tensor
 
 

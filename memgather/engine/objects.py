@@ -203,7 +203,7 @@ def broadcast_object_list(
         place = torch.device("cuda", torch.cuda.current_device())
     parts: List[Pickled] = []
     failure: Optional[Exception] = None
-    vetoed = compat.dispatch_mode_active() or compat.function_mode_active()
+    vetoed = _python_mode_on()
     if me == group_src and not vetoed:
         try:
             parts = [Pickled(obj) for obj in object_list]
@@ -274,12 +274,18 @@ def _refusal_to_place(group: Any) -> Optional[Reason]:
 def _pickled(obj: Any) -> "tuple[Optional[Pickled], Optional[Exception]]":
     """``obj`` pickled, or the error pickling it raised; TORCH_S_WAY's mark where a Python mode
     is on (it would see memgather's operations where torch's make the call)."""
-    if compat.dispatch_mode_active() or compat.function_mode_active():
+    if _python_mode_on():
         return None, None
     try:
         return Pickled(obj), None
     except Exception as error:  # noqa: BLE001 - raised again after every rank has heard of it
         return None, error
+
+
+def _python_mode_on() -> bool:
+    """A Python mode that would see memgather's operations where torch's make the call; torch's own
+    default-device mode (``torch.set_default_device``) is not one: every tensor here names its device."""
+    return compat.dispatch_mode_active() or (compat.function_mode_active() and not compat.device_modes_only())
 
 
 def _agree(
@@ -373,7 +379,7 @@ def _part(own: Optional[Pickled], size: int) -> "tuple[memoryview, torch.Tensor]
     view, tensor = own.view, own.tensor
     own.release()
     assert view is not None
-    return view, tensor if tensor is not None else torch.empty(0, dtype=torch.uint8)
+    return view, tensor if tensor is not None else torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 def _move(
@@ -394,7 +400,7 @@ def _move(
         # A broadcast even where one rank alone keeps the part: point-to-point sends step only their two
         # ranks' sequence numbers, which torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) then
         # find out of step on the others.
-        into = part if part is not None else torch.empty(size, dtype=torch.uint8)
+        into = part if part is not None else torch.empty(size, dtype=torch.uint8, device="cpu")
         _c10d.broadcast(into, src=_global_rank(group, root), group=group)
         return
     sent = part.to(device) if sending and part is not None else torch.empty(size, dtype=torch.uint8, device=device)
