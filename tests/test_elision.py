@@ -266,7 +266,7 @@ def _elision_cases(ctx: Any) -> Dict[str, Any]:
     for method in METADATA_METHODS:
         record(f"cat_after_{method}", lambda s, m=method: (getattr(s[0], m)(), torch.cat(s))[1], torch.cat)
     for attribute in [a for a in METADATA_PROPERTIES if hasattr(torch.empty(0), a)]:  # ("names": gone in torch 2.13)
-        record(f"cat_after_{attribute}", lambda s, a=attribute: (getattr(s[1], a), torch.cat(s))[1], torch.cat)
+        record(f"cat_after_{attribute}", lambda s, a=attribute: (getattr(s[-1], a), torch.cat(s))[1], torch.cat)
     record("cat_scalars", lambda s: torch.cat(s), lambda w: torch.cat(w), shape=())
     record("stack_scalars", lambda s: torch.stack(s), lambda w: torch.stack(w), shape=())
     record("other_op", lambda s: s[1] * 2, lambda w: w[1] * 2)
@@ -558,3 +558,35 @@ def test_given_slots_keep_their_values_and_versions_as_torchs(pools: Any) -> Non
         assert got["freed"] == ("raised", "memgather: this slot shared its memory with the result of an elided "
                                           "torch.cat, and that result's storage was freed (resized)"), got
         assert got["forgotten"] and want["forgotten"], (got, want)
+
+
+def gathered_again_before_the_cat(ctx: Any, copy_on_write: bool) -> Dict[str, Any]:
+    """Armed slots gathered into again (by memgather) before any cat: the cat sees the second gather's
+    values, as torch's does, and a stack of them too."""
+    import contextlib
+
+    with contextlib.nullcontext() if copy_on_write else without_cow():
+        slots, _ = _gathered(ctx)
+        memgather.all_gather(slots, filled(ctx.rank + 10, (4, 3)), elide=True)
+        want = [filled(r + 10, (4, 3)) for r in range(ctx.world)]
+        stacked = torch.stack(slots)
+        return {"values": torch.equal(stacked, torch.stack(want)), "slots": all(torch.equal(s, w) for s, w in
+                                                                                zip(slots, want))}
+
+
+@pytest.mark.parametrize("copy_on_write", HAND_OUTS, ids=lambda on: "copy_on_write" if on else "buffer")
+@pytest.mark.parametrize("world", [1, 2])
+def test_armed_slots_gathered_into_again_hold_the_second_gather(pools: Any, world: int, copy_on_write: bool) -> None:
+    for got in unwrap(pools(world, **EAGER).run(gathered_again_before_the_cat, copy_on_write)):
+        assert got == {"values": True, "slots": True}, got
+
+
+@pytest.mark.parametrize("copy_on_write", HAND_OUTS, ids=lambda on: "copy_on_write" if on else "buffer")
+def test_a_world_of_one_gets_what_torch_gives(pools: Any, copy_on_write: bool) -> None:
+    """One slot, the whole output: every cat and stack of it as torch's."""
+    for results in unwrap(pools(1, **EAGER).run(elision_cases, copy_on_write)):
+        for name, got in results.items():
+            if "raised" in got:
+                assert got["raised"], name
+                continue
+            assert got["equal"] and got["plain_result"], (name, got)
