@@ -440,3 +440,82 @@ def test_a_default_device_is_no_mode_to_step_aside_for(pools: Any) -> None:
     for rank, got in enumerate(unwrap(pools(2, **DETAIL_PARTS).run(under_a_default_device))):
         assert got["memgather"] == got["torch"], (rank, got)
         assert got["by_strategy"] == {"object_parts": 1} and got["fallbacks"] == {}, (rank, got)
+
+
+class _Plain:
+    """An object with no ``__eq__`` of its own: verify mode compares what it pickles."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _counting_unpickler() -> Any:
+    class Counting(pickle.Unpickler):
+        loads = 0
+
+        def __init__(self, file: Any) -> None:
+            type(self).loads += 1
+            super().__init__(file)
+
+    return Counting
+
+
+def awkward_calls(ctx: Any) -> Dict[str, Any]:
+    """Verify mode over objects it cannot compare byte for byte; many small objects broadcast; a root
+    outside the group; lists that cannot take every object (the unpickler runs as often as torch's)."""
+    import memgather
+    from tests.sites import object_calls
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    c10d = dist.distributed_c10d
+    out: Dict[str, Any] = {}
+    sparse = torch.eye(3).to_sparse()
+    quantized = torch.quantize_per_tensor(torch.rand(4), 0.1, 0, torch.quint8)
+    memgather.patch(["tests.sites.object_calls"], verify=True)
+    try:
+        for name, obj in (("sparse", sparse), ("quantized", quantized), ("meta", torch.empty(2, device="meta")),
+                          ("plain_class", _Plain([rank, "x"]))):
+            listed: List[Any] = [None] * world
+            out[f"verify_all_gather:{name}"] = _outcome(lambda: (object_calls.all_gather_object(listed, obj), 0)[1])
+            gathered = [None] * world if rank == 0 else None
+            out[f"verify_gather:{name}"] = _outcome(lambda: (object_calls.gather_object(obj, gathered, dst=0), 0)[1])
+            out[f"after:{name}"] = _outcome(lambda: _not_a_target(rank, world))  # the group still in step
+    finally:
+        memgather.unpatch()
+
+    def many() -> Any:
+        listed = [{"i": i, "s": "x" * (i % 7)} for i in range(500)] if rank == 0 else [None] * 500
+        object_calls.broadcast_object_list(listed, src=0)
+        return listed
+
+    out["many_small"] = _both_ways(lambda: _outcome(many))
+    out["root_past_the_group"] = _both_ways(
+        lambda: _outcome(lambda: object_calls.gather_object(rank, None, dst=world)))
+    out["source_past_the_group"] = _both_ways(
+        lambda: _outcome(lambda: object_calls.broadcast_object_list([rank], src=-1)))
+    original = c10d._unpickler
+    try:
+        for name, make in (("short", lambda: [None]), ("empty", lambda: []), ("tuple", lambda: (None,) * world)):
+            def short(make: Any = make) -> Any:
+                c10d._unpickler = _counting_unpickler()
+                outcome = _outcome(lambda: object_calls.all_gather_object(make(), rank))
+                return outcome[:2], c10d._unpickler.loads
+
+            out[f"list_{name}"] = _both_ways(short)
+    finally:
+        c10d._unpickler = original
+    return out
+
+
+def test_awkward_objects_roots_and_lists_as_torch(pools: Any) -> None:
+    for rank, results in enumerate(unwrap(pools(3, **DETAIL_PARTS).run(awkward_calls))):
+        for case, got in results.items():
+            if case.startswith(("verify_", "after:")):
+                assert got == ("returned", ("int", "0")) or case.startswith("after:"), (rank, case, got)
+                if case.startswith("after:"):
+                    assert got[0] == "returned", (rank, case, got)
+                continue
+            assert got["memgather"] == got["torch"], (rank, case, got)
+        assert results["many_small"]["by_strategy"] == {"object_parts": 1}, results["many_small"]
+        assert results["root_past_the_group"]["torch"][0] == "raised", results["root_past_the_group"]
+        assert results["list_short"]["torch"][1] == 2, results["list_short"]  # torch stops at the first it cannot place

@@ -111,11 +111,12 @@ def _all_gather_object(object_list: List[Any], obj: Any, group: Any) -> None:
         return TORCH_ALL_GATHER_OBJECT(object_list, obj, group)
     _raise_on_failure(sizes, failure, "all_gather_object")
     assert own is not None
+    placing = _Placing(object_list)
     if max(sizes) < _threshold():
-        objects, error = _padded(own, sizes, me, device, group)
+        _padded(own, sizes, me, device, group, placing)
         counters.record(Strategy.OBJECT_PADDED.value, route="single_staged")
     else:
-        objects, error = _by_parts(own, sizes, me, device, group)
+        _by_parts(own, sizes, me, device, group, placing)
         counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
     if core.settings().verify:
 
@@ -124,8 +125,8 @@ def _all_gather_object(object_list: List[Any], obj: Any, group: Any) -> None:
             TORCH_ALL_GATHER_OBJECT(listed, obj, group)
             return listed
 
-        _verify("all_gather_object", objects, error, theirs, me, world, device, group)
-    _hand_over(object_list, objects, error)
+        _verify("all_gather_object", placing, theirs, me, world, device, group)
+    placing.done()
 
 
 def gather_object(
@@ -148,6 +149,9 @@ def gather_object(
     if dst is None and group_dst is None:
         dst = 0
     group_dst = _c10d._canonicalize_group_rank(group, dst, group_dst, return_global=False)
+    if not 0 <= group_dst < group.size():  # torch's own collective raises on every rank: an invalid root
+        counters.record_fallback(Reason.BAD_ARGUMENTS.value)
+        return TORCH_GATHER_OBJECT(obj, object_gather_list, dst, group, None if dst is not None else group_dst)
     me = group.rank()
     _c10d._validate_output_list_for_rank(me, group_dst, object_gather_list)  # torch's errors, before any collective
     device = _device(group)
@@ -159,7 +163,8 @@ def gather_object(
         return TORCH_GATHER_OBJECT(obj, object_gather_list, None, group, group_dst)
     _raise_on_failure(sizes, failure, "gather_object")
     assert own is not None
-    objects, error = _by_parts(own, sizes, me, device, group, to=group_dst)
+    placing = _Placing(object_gather_list if me == group_dst else None)
+    _by_parts(own, sizes, me, device, group, placing, to=group_dst)
     counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
     if core.settings().verify:
 
@@ -168,11 +173,8 @@ def gather_object(
             TORCH_GATHER_OBJECT(obj, listed, None, group, group_dst)
             return listed
 
-        mine = objects if me == group_dst else None
-        _verify("gather_object", mine, error, theirs, me, group.size(), device, group)
-    if me == group_dst:
-        assert object_gather_list is not None  # _validate_output_list_for_rank said so
-        _hand_over(object_gather_list, objects, error)
+        _verify("gather_object", placing, theirs, me, group.size(), device, group)
+    placing.done()
 
 
 def broadcast_object_list(
@@ -197,6 +199,9 @@ def broadcast_object_list(
     if src is None and group_src is None:
         src = 0
     group_src = _c10d._canonicalize_group_rank(group, src, group_src, return_global=False)
+    if not 0 <= group_src < group.size():  # torch's own collective raises on every rank: an invalid root
+        counters.record_fallback(Reason.BAD_ARGUMENTS.value)
+        return TORCH_BROADCAST_OBJECT_LIST(object_list, src, group, device, None if src is not None else group_src)
     me, world, count = group.rank(), group.size(), len(object_list)
     place = torch.device(device) if device is not None else _device(group)
     if place.type == "cuda" and place.index is None:
@@ -222,47 +227,42 @@ def broadcast_object_list(
         raise failure
     if PICKLE_FAILED in sizes:
         raise ObjectPickleError("broadcast_object_list", [group_src])
-    objects: List[Any] = []
-    error: Optional[BaseException] = None
-    for index, size in enumerate(sizes):
-        view, part = _part(parts[index], size) if me == group_src else received(size)
-        _move(part, size, me == group_src, place, group, group_src, None)
+    given = list(object_list) if core.settings().verify else []
+    placing = _Placing(object_list if me != group_src else None)
+    for first, last in _batches(sizes, _threshold()):
+        batch = sizes[first:last]
+        if me == group_src:
+            view, part = _part(parts[first], batch[0]) if len(batch) == 1 else _joined(parts[first:last])
+        else:
+            view, part = received(sum(batch))
+        _move(part, sum(batch), me == group_src, place, group, group_src, None)
         del part
-        if me != group_src and error is None:
-            try:
-                objects.append(unpickled(view))
-            except Exception as raised:  # noqa: BLE001 - raised once every object has moved
-                error = raised
+        at = 0
+        for size in batch:
+            if me != group_src:
+                placing.read(view[at : at + size])
+            at += size
         del view
     counters.record(Strategy.OBJECT_PARTS.value, route="broadcast")
     if core.settings().verify:
-        given = list(object_list)
 
         def theirs() -> Optional[List[Any]]:
             listed = given if me == group_src else [None] * count
             TORCH_BROADCAST_OBJECT_LIST(listed, None, group, device, group_src)
             return None if me == group_src else listed
 
-        _verify("broadcast_object_list", None if me == group_src else objects, error, theirs, me, world, place, group)
-    if me != group_src:
-        _hand_over(object_list, objects, error)
+        _verify("broadcast_object_list", placing, theirs, me, world, place, group)
+    placing.done()
 
 
 def _verify(
-    collective: str,
-    mine: Optional[List[Any]],
-    error: Optional[BaseException],
-    theirs: Any,
-    me: int,
-    world: int,
-    device: torch.device,
-    group: Any,
+    collective: str, placing: "_Placing", theirs: Any, me: int, world: int, device: torch.device, group: Any
 ) -> None:
     """Verify mode: torch's own call made again, and what this rank received compared with it on
-    every rank (``object_verification``); nothing compared where memgather's call raised."""
-    object_verification.verify(
-        collective, mine if error is None else None, theirs, me, world, device, group, _c10d.all_reduce
-    )
+    every rank (``object_verification``); nothing compared where memgather's call raised, or where
+    this rank receives nothing."""
+    mine = placing.objects if placing.target is not None and placing.error is None else None
+    object_verification.verify(collective, mine, theirs, me, world, device, group, _c10d.all_reduce)
 
 
 def _refusal_to_place(group: Any) -> Optional[Reason]:
@@ -317,30 +317,28 @@ def _raise_on_failure(sizes: List[int], failure: Optional[Exception], what: str)
 
 
 def _by_parts(
-    own: Pickled, sizes: List[int], me: int, device: torch.device, group: Any, to: Optional[int] = None
-) -> "tuple[List[Any], Optional[BaseException]]":
+    own: Pickled,
+    sizes: List[int],
+    me: int,
+    device: torch.device,
+    group: Any,
+    placing: "_Placing",
+    to: Optional[int] = None,
+) -> None:
     """Each rank's part moved in rank order (to every rank, or to group rank ``to`` alone) and read
-    back where it arrives; the objects read before the first error, and that error (the remaining
-    parts still move: the other ranks are waiting for them)."""
-    objects: List[Any] = []
-    error: Optional[BaseException] = None
+    back where it arrives (``placing``; after its first error the remaining parts still move: the
+    other ranks are waiting for them)."""
     arrives = to is None or to == me
     for rank, size in enumerate(sizes):
         view, part = _part(own, size) if rank == me else received(size) if arrives else (None, None)
         _move(part, size, rank == me, device, group, rank, to)
         del part
-        if view is not None and arrives and error is None:
-            try:
-                objects.append(unpickled(view))
-            except Exception as raised:  # noqa: BLE001 - raised once every part has moved
-                error = raised
+        if view is not None and arrives:
+            placing.read(view)
         del view
-    return objects, error
 
 
-def _padded(
-    own: Pickled, sizes: List[int], me: int, device: torch.device, group: Any
-) -> "tuple[List[Any], Optional[BaseException]]":
+def _padded(own: Pickled, sizes: List[int], me: int, device: torch.device, group: Any, placing: "_Placing") -> None:
     """Small parts (the largest under the threshold): one gather of every rank's bytes padded to the
     largest, as torch's, then each part read back from a view of the one host buffer."""
     largest, world = max(sizes), len(sizes)
@@ -357,13 +355,8 @@ def _padded(
         if gathered is not flat:
             flat.copy_(gathered)
         del padded, gathered, slots, flat
-    objects: List[Any] = []
     for rank, size in enumerate(sizes):
-        try:
-            objects.append(unpickled(view[rank * largest : rank * largest + size]))
-        except Exception as raised:  # noqa: BLE001 - as torch's loop: the objects before it are placed
-            return objects, raised
-    return objects, None
+        placing.read(view[rank * largest : rank * largest + size])
 
 
 def _threshold() -> int:
@@ -409,13 +402,54 @@ def _move(
         part.copy_(sent)
 
 
-def _hand_over(object_list: List[Any], objects: List[Any], error: Optional[BaseException]) -> None:
-    """Into the caller's list, in order, as torch's loop assigns them (an error raised after the
-    objects read before it are in place)."""
-    for index, value in enumerate(objects):
-        object_list[index] = value
-    if error is not None:
-        raise error
+class _Placing:
+    """The objects read back, each placed into the caller's list (``target``; None: a rank that keeps
+    nothing) as soon as it is read, as torch's loop reads and places them in rank order: the first
+    error, reading or placing, ends the reading there; ``done`` raises it once every part has moved."""
+
+    def __init__(self, target: Optional[Any]) -> None:
+        self.target = target
+        self.objects: List[Any] = []
+        self.error: Optional[BaseException] = None
+
+    def read(self, view: memoryview) -> None:
+        if self.error is not None or self.target is None:
+            return
+        try:
+            value = unpickled(view)
+            self.objects.append(value)
+            self.target[len(self.objects) - 1] = value
+        except Exception as raised:  # noqa: BLE001 - raised by done(), once every part has moved
+            self.error = raised
+
+    def done(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _batches(sizes: List[int], limit: int) -> List["tuple[int, int]"]:
+    """Consecutive objects taken together while their bytes stay under ``limit`` (one broadcast each
+    batch); an object of ``limit`` or more goes alone."""
+    batches: List["tuple[int, int]"] = []
+    first, total = 0, 0
+    for index, size in enumerate(sizes):
+        if index > first and total + size > limit:
+            batches.append((first, index))
+            first, total = index, 0
+        total += size
+    batches.append((first, len(sizes)))
+    return batches
+
+
+def _joined(parts: List[Pickled]) -> "tuple[memoryview, torch.Tensor]":
+    """Small parts' bytes in one new buffer (each part let go of as it is copied)."""
+    view, tensor = received(sum(part.size for part in parts))
+    at = 0
+    for part in parts:
+        view[at : at + part.size] = part.view if part.view is not None else b""
+        at += part.size
+        part.release()
+    return view, tensor
 
 
 def _device_type(group: Any) -> str:
