@@ -518,7 +518,9 @@ def given_slots_lifecycle(ctx: Any, elide: bool) -> Dict[str, Any]:
             dist.all_gather(slots, t * 2)  # torch writes in place: never into the result
             out["torch_again"] = (result.tolist(), [s.tolist() for s in slots], [s._version - v for s, v in
                                                                                 zip(slots, before)])
+            memgather.reset_stats()
             memgather.all_gather(slots, t * 3, elide=elide)
+            out["strategy_again"] = dict(memgather.stats().by_strategy)
             again = torch.cat(slots)
             out["memgather_again"] = (result.tolist(), again.tolist(), [s.tolist() for s in slots])
             with torch.inference_mode():
@@ -558,6 +560,8 @@ def test_given_slots_keep_their_values_and_versions_as_torchs(pools: Any) -> Non
         assert got["freed"] == ("raised", "memgather: this slot shared its memory with the result of an elided "
                                           "torch.cat, and that result's storage was freed (resized)"), got
         assert got["forgotten"] and want["forgotten"], (got, want)
+        # Given slots gathered into by memgather are rebound (released, not copied: nothing reaches the result).
+        assert got["strategy_again"] == {"rebind": 1} and want["strategy_again"] == {"in_slots": 1}, (got, want)
 
 
 def gathered_again_before_the_cat(ctx: Any, copy_on_write: bool) -> Dict[str, Any]:
@@ -567,18 +571,23 @@ def gathered_again_before_the_cat(ctx: Any, copy_on_write: bool) -> Dict[str, An
 
     with contextlib.nullcontext() if copy_on_write else without_cow():
         slots, _ = _gathered(ctx)
+        memgather.reset_stats()
         memgather.all_gather(slots, filled(ctx.rank + 10, (4, 3)), elide=True)
+        again = dict(memgather.stats().by_strategy)
         want = [filled(r + 10, (4, 3)) for r in range(ctx.world)]
         stacked = torch.stack(slots)
         return {"values": torch.equal(stacked, torch.stack(want)), "slots": all(torch.equal(s, w) for s, w in
-                                                                                zip(slots, want))}
+                                                                                zip(slots, want)),
+                "again": again, "elided": memgather.stats().elided}
 
 
 @pytest.mark.parametrize("copy_on_write", HAND_OUTS, ids=lambda on: "copy_on_write" if on else "buffer")
 @pytest.mark.parametrize("world", [1, 2])
 def test_armed_slots_gathered_into_again_hold_the_second_gather(pools: Any, world: int, copy_on_write: bool) -> None:
     for got in unwrap(pools(world, **EAGER).run(gathered_again_before_the_cat, copy_on_write)):
-        assert got == {"values": True, "slots": True}, got
+        # Disarmed first, the slots are plain adjacent views of the first gather's buffer: gathered into
+        # where they lie (direct), and the stack of them elided again.
+        assert got == {"values": True, "slots": True, "again": {"direct": 1}, "elided": 1}, got
 
 
 @pytest.mark.parametrize("copy_on_write", HAND_OUTS, ids=lambda on: "copy_on_write" if on else "buffer")
