@@ -109,7 +109,7 @@ def _rank(rank: int, world: int, store: str, mib: List[float], repeat: int, call
                 held = rss.current_bytes() - before  # the gathered objects, as they lie in memory
                 # (Tiny objects may fit in pages already resident: no multiple then, only the time.)
                 base = held if result_here else gathered[name]
-                peaks[way].append(peak / base if base > 0 else float("nan"))
+                peaks[way].append(peak / base if base > 0 else -1.0)
                 pickled[way].append(peak / gathered[name])
                 got[way] = answer
                 del answer
@@ -141,6 +141,10 @@ def measure(mib: Sequence[float], repeat: int, calls: Sequence[str]) -> List[Dic
 CALLS = ("all_gather_object", "gather_object", "broadcast_object_list", "detectron2_all_gather")
 
 
+def _multiple(value: float) -> str:
+    return f"{value:.3f} x" if value >= 0 else "  -    "  # (objects too small to show in the resident set)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.object_peaks",
@@ -167,8 +171,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for row in rows:
         print(
             f"{row['call']:<24} {row['rank']:<5} {row['mib']:<6g} "
-            f"{row['torch_peak']:.3f} x ({row['torch_per_pickled']:.2f})   "
-            f"{row['memgather_peak']:.3f} x ({row['memgather_per_pickled']:.2f})   "
+            f"{_multiple(row['torch_peak'])} ({row['torch_per_pickled']:.2f})   "
+            f"{_multiple(row['memgather_peak'])} ({row['memgather_per_pickled']:.2f})   "
             f"{row['torch_s']:7.3f}  {row['memgather_s']:7.3f}      {'yes' if row['same'] else 'NO'}"
         )
     return 0 if all(row["same"] for row in rows) else 1
