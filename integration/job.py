@@ -165,7 +165,17 @@ def memory_paths(library: str) -> Dict[str, Callable[..., Pieces]]:
             each = len(results)
             return {rank: [r["pred"] for r in gathered[rank * each:(rank + 1) * each]] for rank in range(WORLD)}
 
-        return {"utils.gather": lambda tensor: flat_pieces(gather(tensor)), "utils.gather_object": objects}
+        @with_input(eval_results)
+        def for_metrics(results: List[Dict[str, Any]]) -> Pieces:
+            """Trainer's evaluation with eval_use_gather_object: gather_for_metrics(use_gather_object=True)."""
+            from accelerate import Accelerator
+
+            gathered = Accelerator(cpu=True).gather_for_metrics(results, use_gather_object=True)
+            each = len(results)
+            return {rank: [r["pred"] for r in gathered[rank * each:(rank + 1) * each]] for rank in range(WORLD)}
+
+        return {"utils.gather": lambda tensor: flat_pieces(gather(tensor)), "utils.gather_object": objects,
+                "gather_for_metrics(use_gather_object=True)": for_metrics}
     if library == "transformers":
         from transformers.trainer_pt_utils import distributed_concat
 
