@@ -13,19 +13,13 @@ copy. ``tox -e mutation`` runs mutmut's own mutants of proof.py and flow.py (doc
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import fault_runs
+
 TESTS = ["tests/test_proof_rules.py", "tests/test_proof.py", "tests/test_made_like.py"]
 # (module, label, the text of the rule, what the fault puts in its place)
-FAULTS: List[Tuple[str, str, str, str]] = [
+FAULTS: List[fault_runs.Fault] = [
     ("proof", "gather-exception-edges", "[*at.succ, *at.exc], name, hand_over", "list(at.succ), name, hand_over"),
     ("proof", "factory-by-last-name", "        return self.resolve(function) in FACTORIES", "        return \"torch.\" + last_name(function) in FACTORIES"),
     ("proof", "two-reads-in-one-statement", "                if len(reads) != 1 or not hand_over(self, node, reads[0]):", "                if not hand_over(self, node, reads[0]):"),
@@ -44,32 +38,5 @@ FAULTS: List[Tuple[str, str, str, str]] = [
 ]
 
 
-def run(labels: List[str]) -> List[Tuple[str, bool]]:
-    outcomes = []
-    for module, label, rule, fault in FAULTS:
-        if labels and label not in labels:
-            continue
-        with tempfile.TemporaryDirectory() as folder:
-            tree = Path(folder) / "tree"
-            shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".tox", ".venv", ".git", "__pycache__", ".hypothesis"))
-            path = tree / "memgather" / "patching" / f"{module}.py"
-            text = path.read_text()
-            if text.count(rule) != 1:
-                print(f"{label}: its rule is not in {module}.py as written here (found {text.count(rule)} times)")
-                outcomes.append((label, False))
-                continue
-            path.write_text(text.replace(rule, fault))
-            started = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
-                                  cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True,
-                                  timeout=900)
-            held = done.returncode != 0
-            print(f"{label}: {'held (a test fails)' if held else 'NOT HELD'} in {time.monotonic() - started:.0f} s",
-                  flush=True)
-            outcomes.append((label, held))
-    return outcomes
-
-
 if __name__ == "__main__":
-    results = run(sys.argv[1:])
-    print(f"{sum(held for _, held in results)} of {len(results)} faults held by a test")
+    fault_runs.main(FAULTS, TESTS)

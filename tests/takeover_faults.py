@@ -13,23 +13,17 @@ against that copy on real gloo ranks. A fault those tests let pass is a rule no 
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import fault_runs
+
 TESTS = [
     "tests/test_padded.py::test_taken_over_helpers_answer_as_the_libraries_own_code",
     "tests/test_padded.py::test_ranks_that_differ_where_the_library_allows_take_one_way",
     "tests/test_takeover_programs.py",
 ]
 # (module, label, the text of the rule, what the fault puts in its place)
-FAULTS: List[Tuple[str, str, str, str]] = [
+FAULTS: List[fault_runs.Fault] = [
     ("padded", "conjugate-bit", "        and not tensor.is_conj()\n", ""),
     ("padded", "transforms",
      "    if compat.functorch_active() or compat.forward_ad_active() or compat.functorch_wrapped(tensor):\n"
@@ -76,32 +70,5 @@ FAULTS: List[Tuple[str, str, str, str]] = [
 ]
 
 
-def run(labels: List[str]) -> List[Tuple[str, bool]]:
-    outcomes = []
-    for module, label, rule, fault in FAULTS:
-        if labels and label not in labels:
-            continue
-        with tempfile.TemporaryDirectory() as folder:
-            tree = Path(folder) / "tree"
-            shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".tox", ".venv", ".git", "__pycache__", ".hypothesis"))
-            path = tree / "memgather" / "patching" / f"{module}.py"
-            text = path.read_text()
-            if text.count(rule) != 1:
-                print(f"{label}: its rule is not in {module}.py as written here (found {text.count(rule)} times)")
-                outcomes.append((label, False))
-                continue
-            path.write_text(text.replace(rule, fault))
-            started = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
-                                  cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True,
-                                  timeout=900)
-            held = done.returncode != 0
-            print(f"{label}: {'held (a test fails)' if held else 'NOT HELD'} in {time.monotonic() - started:.0f} s",
-                  flush=True)
-            outcomes.append((label, held))
-    return outcomes
-
-
 if __name__ == "__main__":
-    results = run(sys.argv[1:])
-    print(f"{sum(held for _, held in results)} of {len(results)} faults held by a test")
+    fault_runs.main(FAULTS, TESTS)

@@ -145,13 +145,11 @@ def gather_object(
     if why is not None:
         counters.record_fallback(why.value)
         return TORCH_GATHER_OBJECT(obj, object_gather_list, dst, group, group_dst)
-    group = _c10d._group_or_default_group(group)
-    if dst is None and group_dst is None:
-        dst = 0
-    group_dst = _c10d._canonicalize_group_rank(group, dst, group_dst, return_global=False)
-    if not 0 <= group_dst < group.size():  # torch's own collective raises on every rank: an invalid root
+    named, root = _root(group, dst, group_dst)
+    if root is None:
         counters.record_fallback(Reason.BAD_ARGUMENTS.value)
-        return TORCH_GATHER_OBJECT(obj, object_gather_list, dst, group, None if dst is not None else group_dst)
+        return TORCH_GATHER_OBJECT(obj, object_gather_list, dst, group, group_dst)
+    group, group_dst = named, root
     me = group.rank()
     _c10d._validate_output_list_for_rank(me, group_dst, object_gather_list)  # torch's errors, before any collective
     device = _device(group)
@@ -195,13 +193,11 @@ def broadcast_object_list(
     if why is not None:
         counters.record_fallback(why.value)
         return TORCH_BROADCAST_OBJECT_LIST(object_list, src, group, device, group_src)
-    group = _c10d._group_or_default_group(group)
-    if src is None and group_src is None:
-        src = 0
-    group_src = _c10d._canonicalize_group_rank(group, src, group_src, return_global=False)
-    if not 0 <= group_src < group.size():  # torch's own collective raises on every rank: an invalid root
+    named, root = _root(group, src, group_src)
+    if root is None:
         counters.record_fallback(Reason.BAD_ARGUMENTS.value)
-        return TORCH_BROADCAST_OBJECT_LIST(object_list, src, group, device, None if src is not None else group_src)
+        return TORCH_BROADCAST_OBJECT_LIST(object_list, src, group, device, group_src)
+    group, group_src = named, root
     me, world, count = group.rank(), group.size(), len(object_list)
     place = torch.device(device) if device is not None else _device(group)
     if place.type == "cuda" and place.index is None:
@@ -263,6 +259,17 @@ def _verify(
     this rank receives nothing."""
     mine = placing.objects if placing.target is not None and placing.error is None else None
     object_verification.verify(collective, mine, theirs, me, world, device, group, _c10d.all_reduce)
+
+
+def _root(group: Any, rank: Optional[int], group_rank: Optional[int]) -> "tuple[Any, Optional[int]]":
+    """The group and its root's group rank, as torch's own call names them (rank 0 where neither is
+    given; torch's ValueError where both are); None for a root outside the group, whose own
+    collective torch's call then refuses on every rank."""
+    group = _c10d._group_or_default_group(group)
+    if rank is None and group_rank is None:
+        rank = 0
+    root = _c10d._canonicalize_group_rank(group, rank, group_rank, return_global=False)
+    return group, root if 0 <= root < group.size() else None
 
 
 def _refusal_to_place(group: Any) -> Optional[Reason]:

@@ -372,13 +372,7 @@ def _is_one_of_ours(function: Any, wrapper: Any) -> bool:
 
 def _wraps_ours(function: Any) -> bool:
     """Whether ``function`` is memgather's wrapper or wraps it (follows ``__wrapped__``)."""
-    for _ in range(32):
-        if function is _wrapper:
-            return True
-        function = getattr(function, "__wrapped__", None)
-        if function is None:
-            return False
-    return False
+    return _is_one_of_ours(function, _wrapper)
 
 
 def _rebind_imported(selection: registry.Selection) -> None:
