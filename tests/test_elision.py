@@ -512,6 +512,10 @@ def given_slots_lifecycle(ctx: Any, elide: bool) -> Dict[str, Any]:
             result = torch.cat(slots)
             out["given"] = [type(s).__name__ for s in slots]
             out["watching"] = elision.watching()
+            memgather.reset_stats()
+            others = [torch.empty(4) for _ in range(ctx.world)]  # fresh slots, while the given ones live
+            memgather.all_gather(others, t, elide=False)
+            out["fresh_while_given"] = dict(memgather.stats().by_strategy)
             slots[0].add_(1)
             out["written"] = (result.tolist(), slots[0].tolist(), slots[0]._version - before[0],
                               type(slots[0]).__name__, elision.is_given(slots[0]))
@@ -538,7 +542,7 @@ def given_slots_lifecycle(ctx: Any, elide: bool) -> Dict[str, Any]:
                 out["freed"] = ("returned", lost[0].tolist())
             except RuntimeError as error:
                 out["freed"] = ("raised", str(error).split(";")[0])
-            del slots, again, frozen, lost, result, kept, freed
+            del slots, again, frozen, lost, result, kept, freed, others
             gc.collect()
             out["forgotten"] = not elision.watching()
     finally:
@@ -560,6 +564,8 @@ def test_given_slots_keep_their_values_and_versions_as_torchs(pools: Any) -> Non
         assert got["freed"] == ("raised", "memgather: this slot shared its memory with the result of an elided "
                                           "torch.cat, and that result's storage was freed (resized)"), got
         assert got["forgotten"] and want["forgotten"], (got, want)
+        # Fresh slots beside given ones are filled where they lie, as with none given.
+        assert got["fresh_while_given"] == want["fresh_while_given"] == {"in_slots": 1}, (got, want)
         # Given slots gathered into by memgather are rebound (released, not copied: nothing reaches the result).
         assert got["strategy_again"] == {"rebind": 1} and want["strategy_again"] == {"in_slots": 1}, (got, want)
 
