@@ -37,7 +37,7 @@ ELIDED = {f"cat_after_{name}" for name in _READ} | {"cat", "cat_dim0_kw", "cat_n
           "cat_after_read", "stack_scalars", "cat_pooled", "stack_pooled"}
 # Not exactly the slots, in order, along dim 0 into a new tensor; or a slot was used
 # (written) first, which turns every slot back into a plain tensor.
-COPIED = {"cat_dim1", "stack_dim1", "cat_dim1_kw", "stack_dim1_kw", "cat_reversed", "cat_subset", "cat_out", "other_op", "cat_after_add",
+COPIED = {"cat_dim1", "stack_dim1", "cat_dim1_kw", "stack_dim1_kw", "cat_after_a_data_alias", "cat_reversed", "cat_subset", "cat_out", "other_op", "cat_after_add",
           # Slots with other strides on dims of size 1 (channels_last (N, C, 1, 1)): torch's result has strides
           # of their kind, the buffer its shape's.
           "cat_pooled_channels_last", "stack_pooled_channels_last"}
@@ -64,6 +64,7 @@ def test_same_values_as_torch_and_zero_copy_only_where_exact(cases: Any, name: s
 def test_cat_of_scalars_raises_what_torch_raises(cases: Any) -> None:
     for result in cases[1]:
         assert result["cat_scalars"] == {"raised": True}
+        assert result["cat_three_positional"] == {"raised": True}  # (out= is keyword-only: torch's TypeError)
 
 
 def test_off_unless_asked(pools: Any) -> None:
@@ -257,6 +258,10 @@ def _elision_cases(ctx: Any) -> Dict[str, Any]:
     record("cat_dim1", lambda s: torch.cat(s, 1), lambda w: torch.cat(w, 1))
     record("stack_dim1", lambda s: torch.stack(s, 1), lambda w: torch.stack(w, 1))
     record("cat_dim1_kw", lambda s: torch.cat(s, dim=1), lambda w: torch.cat(w, 1))
+    # .data is an alias, not metadata: read, it disarms the gather, so the alias never shares the result.
+    record("cat_after_a_data_alias", lambda s: (lambda a: (torch.cat(s), a.add_(1))[0])(s[0].data),
+           lambda w: (lambda a: (torch.cat(w), a.add_(1))[0])(w[0].data))
+    record("cat_three_positional", lambda s: torch.cat(s, 0, torch.empty(0)), lambda w: torch.cat(w, 0, torch.empty(0)))
     record("stack_dim1_kw", lambda s: torch.stack(s, dim=1), lambda w: torch.stack(w, 1))
     record("cat_reversed", lambda s: torch.cat(s[::-1]), lambda w: torch.cat(w[::-1]))
     record("cat_subset", lambda s: torch.cat(s[:1]), lambda w: torch.cat(w[:1]))
@@ -536,7 +541,7 @@ def given_slots_lifecycle(ctx: Any, elide: bool) -> Dict[str, Any]:
             lost = [torch.empty(4) for _ in range(ctx.world)]
             memgather.all_gather(lost, t, elide=elide)
             freed = torch.cat(lost)
-            freed.untyped_storage().resize_(0)
+            freed.untyped_storage().resize_(4)  # (shrunk, not emptied: one float left of the first slot's four)
             try:
                 lost[0].add_(1)
                 out["freed"] = ("returned", lost[0].tolist())
