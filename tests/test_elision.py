@@ -538,6 +538,14 @@ def given_slots_lifecycle(ctx: Any, elide: bool) -> Dict[str, Any]:
                 kept = torch.cat(frozen)
                 frozen[1].mul_(5)
                 out["inference"] = (kept.tolist(), frozen[1].tolist(), frozen[1].is_inference())
+            # Given slots gathered into by memgather at once: rebound (nothing reaches the result), plain again.
+            held = [torch.empty(4) for _ in range(ctx.world)]
+            memgather.all_gather(held, t, elide=elide)
+            first = torch.cat(held)
+            memgather.reset_stats()
+            memgather.all_gather(held, t * 5, elide=False)
+            out["regathered_given"] = (first.tolist(), [s.tolist() for s in held], [type(s).__name__ for s in held],
+                                       dict(memgather.stats().by_strategy), [elision.is_given(s) for s in held])
             lost = [torch.empty(4) for _ in range(ctx.world)]
             memgather.all_gather(lost, t, elide=elide)
             freed = torch.cat(lost)
@@ -547,7 +555,7 @@ def given_slots_lifecycle(ctx: Any, elide: bool) -> Dict[str, Any]:
                 out["freed"] = ("returned", lost[0].tolist())
             except RuntimeError as error:
                 out["freed"] = ("raised", str(error).split(";")[0])
-            del slots, again, frozen, lost, result, kept, freed, others
+            del slots, again, frozen, lost, result, kept, freed, others, held, first
             gc.collect()
             out["forgotten"] = not elision.watching()
     finally:
@@ -563,7 +571,9 @@ def test_given_slots_keep_their_values_and_versions_as_torchs(pools: Any) -> Non
         assert got["given"] == ["GivenSlot", "GivenSlot"] and got["watching"], got
         assert want["given"] == ["Tensor", "Tensor"] and not want["watching"], want
         assert got["written"][3:] == ("Tensor", False), got
-        for key in ("written", "torch_again", "memgather_again", "inference"):
+        assert got["regathered_given"][2:] == (["Tensor", "Tensor"], {"rebind": 1}, [False, False]), got
+        assert want["regathered_given"][3] == {"in_slots": 1}, want
+        for key in ("written", "torch_again", "memgather_again", "inference", "regathered_given"):
             assert got[key][:3] == want[key][:3], (key, got[key], want[key])
         assert want["freed"][0] == "returned", want
         assert got["freed"] == ("raised", "memgather: this slot shared its memory with the result of an elided "
