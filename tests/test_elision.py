@@ -620,3 +620,30 @@ def test_a_world_of_one_gets_what_torch_gives(pools: Any, copy_on_write: bool) -
                 assert got["raised"], name
                 continue
             assert got["equal"] and got["plain_result"], (name, got)
+
+
+def own_entry_replaced(ctx: Any, change: str) -> Dict[str, Any]:
+    """torchmetrics' way: the rank's own entry replaced by the gather's input before the cat. Elided
+    only while that input still holds the bytes gathered from it, in the slot's shape."""
+    t = filled(ctx.rank, (4, 3))
+    slots = [torch.empty(4, 3) for _ in range(ctx.world)]
+    memgather.all_gather(slots, t, elide=True)
+    slots[ctx.rank] = t
+    if change == "written":
+        t.add_(1)
+    elif change == "resized":
+        t.resize_(2, 3)
+    reference = [filled(r, (4, 3)) for r in range(ctx.world)]
+    reference[ctx.rank] = t.clone()
+    memgather.reset_stats()
+    result = torch.cat(slots)
+    return {"equal": torch.equal(result, torch.cat(reference)), "elided": memgather.stats().elided}
+
+
+@pytest.mark.skipif(not cow.works(), reason="the input stands in for its slot only where the result is copy-on-write")
+@pytest.mark.parametrize("change", ["none", "written", "resized"])
+def test_an_own_entry_replaced_by_the_input_is_elided_only_while_it_holds_what_was_gathered(
+    pools: Any, change: str
+) -> None:
+    for got in unwrap(pools(2, **EAGER).run(own_entry_replaced, change)):
+        assert got == {"equal": True, "elided": 1 if change == "none" else 0}, (change, got)
