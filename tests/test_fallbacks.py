@@ -951,6 +951,33 @@ def _dispatch_mode(pools: Any) -> Counter:
     return Counter(results[0]["fallbacks"])
 
 
+def replaced_helper(ctx: Any) -> Dict[str, Any]:
+    """A user's patch of one of torch's object-collective helpers: torch's own call runs it."""
+    c10d = dist.distributed_c10d
+    original = c10d._tensor_to_object
+    seen: List[int] = []
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        seen.append(1)
+        return original(*args, **kwargs)
+
+    c10d._tensor_to_object = patched
+    try:
+        memgather.reset_stats()
+        out: List[Any] = [None] * ctx.world
+        memgather.all_gather_object(out, {"rank": ctx.rank})
+        return {"same": out == [{"rank": r} for r in range(ctx.world)], "ran_the_patch": len(seen) == ctx.world,
+                "fallbacks": dict(memgather.stats().fallbacks)}
+    finally:
+        c10d._tensor_to_object = original
+
+
+def _replaced(pools: Any) -> Counter:
+    results = unwrap(pools(2).run(replaced_helper))
+    assert all(result["same"] and result["ran_the_patch"] for result in results), results
+    return Counter(results[0]["fallbacks"])
+
+
 REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.NOT_INITIALIZED: _not_initialized,
     Reason.NOT_IN_GROUP: _not_in_group,
@@ -990,6 +1017,7 @@ REACHES: Dict[Reason, Callable[[Any], Counter]] = {
     Reason.CANNOT_PROVE_EXCLUSIVE: _cannot_prove_exclusive,
     Reason.PEER_FALLBACK: _peer_fallback,
     Reason.UNEVEN_RANKS: _uneven_ranks,
+    Reason.REPLACED: _replaced,
 }
 
 

@@ -29,6 +29,7 @@ same number at 2 ranks, more latency at many ranks with tiny objects (docs/objec
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, List, Optional
 
 import torch
@@ -46,22 +47,28 @@ PICKLE_FAILED = -1
 TORCH_S_WAY = -2
 
 _c10d = dist.distributed_c10d
-# torch's own functions, as imported: the fallbacks, and the helpers whose replacement (a mock, a
-# user's patch) sends a call to torch's own function, which would run the replacement.
+# torch's own functions, as imported: the fallbacks; and the helpers whose replacement (a mock, a
+# user's patch) sends a call to torch's own function, which runs the replacement.
 TORCH_ALL_GATHER_OBJECT = _c10d.all_gather_object
 TORCH_GATHER_OBJECT = _c10d.gather_object
 TORCH_BROADCAST_OBJECT_LIST = _c10d.broadcast_object_list
-_TORCH_HELPERS = {
-    name: getattr(_c10d, name, None)
-    for name in (
-        "_object_to_tensor",
-        "_tensor_to_object",
-        "all_reduce",
-        "broadcast",
-        "get_world_size",
-        "get_rank",
-    )
-}
+_TORCH_HELPERS = (
+    "_object_to_tensor",
+    "_tensor_to_object",
+    "all_reduce",
+    "broadcast",
+    "get_world_size",
+    "get_rank",
+)
+# Where torch's own functions (and the decorators it wraps them in) are defined.
+_TORCH_DISTRIBUTED = os.path.dirname(os.path.abspath(_c10d.__file__))
+
+
+def _torch_s_own(function: Any) -> bool:
+    """Whether ``function`` is defined in torch.distributed's own code (not a mock, not a user's
+    wrapper, however it names itself): the helpers torch's object collectives call, as torch made them."""
+    code = getattr(function, "__code__", None)
+    return code is not None and os.path.abspath(code.co_filename).startswith(_TORCH_DISTRIBUTED + os.sep)
 
 
 def refusal(group: Any) -> Optional[Reason]:
@@ -77,7 +84,7 @@ def refusal(group: Any) -> Optional[Reason]:
         return Reason.COMPILING
     if compat.is_coalescing(group):
         return Reason.COALESCING
-    if any(getattr(_c10d, name, None) is not function for name, function in _TORCH_HELPERS.items()):
+    if not all(_torch_s_own(getattr(_c10d, name, None)) for name in _TORCH_HELPERS):
         return Reason.REPLACED
     if _device_type(group) not in ("cpu", "cuda"):
         return Reason.BACKEND
