@@ -206,9 +206,7 @@ def broadcast_object_list(
         return TORCH_BROADCAST_OBJECT_LIST(object_list, src, group, device, group_src)
     group, group_src = named, root
     me, world, count = group.rank(), group.size(), len(object_list)
-    place = torch.device(device) if device is not None else _device(group)
-    if place.type == "cuda" and place.index is None:
-        place = torch.device("cuda", torch.cuda.current_device())
+    place = _device(group, device)
     parts: List[Pickled] = []
     failure: Optional[Exception] = None
     vetoed = _python_mode_on()
@@ -470,9 +468,10 @@ def _device_type(group: Any) -> str:
     return str(_c10d._get_object_coll_device(group)).split(":")[0]
 
 
-def _device(group: Any) -> torch.device:
-    """The device torch's object collectives use for ``group`` (the current CUDA device under NCCL)."""
-    device = torch.device(_c10d._get_object_coll_device(group))
+def _device(group: Any, given: Any = None) -> torch.device:
+    """The device torch's object collectives use for ``group`` (``given``, where the caller names one),
+    a CUDA device without an index being the current one, as torch's ``.to("cuda")`` takes it."""
+    device = torch.device(given if given is not None else _c10d._get_object_coll_device(group))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
